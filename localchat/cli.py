@@ -1,0 +1,407 @@
+"""The ``localchat`` command: the chat app by default, and thin commands for scripts.
+
+Each subcommand's docstring is its help text. Results go to stdout (JSON where asked),
+diagnostics to stderr; a ``LocalchatError`` becomes one line ``localchat: error: …`` and its
+exit code, never a traceback. Run ``localchat --help`` or ``python -m localchat --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+from . import paths
+from .errors import BadInput, LocalchatError, StorageError
+from .models import DEFAULT_MODEL, say
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: Callable = getattr(args, "handler", None) or cmd_chat
+    try:
+        return handler(args) or 0
+    except LocalchatError as err:
+        print(f"localchat: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("\nlocalchat: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="localchat",
+        description="Chat with a local model; each conversation keeps its KV cache on disk.",
+        epilog=f"Data lives in $LOCALCHAT_HOME (now: {paths.data_home()}).",
+    )
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    def add(name, fn, **kw):
+        sp = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0],
+                            description=fn.__doc__, **kw)
+        sp.set_defaults(handler=fn)
+        return sp
+
+    c = add("chat", cmd_chat)
+    c.add_argument("-c", "--conversation", metavar="NAME")
+    c.add_argument("-m", "--model", metavar="MODEL")
+
+    a = add("ask", cmd_ask)
+    a.add_argument("prompt", nargs="?", metavar="PROMPT", help="the message; '-' reads stdin")
+    a.add_argument("-c", "--conversation", metavar="NAME",
+                   help="conversation to continue (created if new)")
+    a.add_argument("-m", "--model", metavar="MODEL",
+                   help="'default', a local MLX model folder or a Hub repo id")
+    a.add_argument("--system", metavar="TEXT", help="system prompt of the conversation")
+    a.add_argument("--max-tokens", type=int, default=1024, metavar="N")
+    a.add_argument("--temp", type=float, default=0.0, metavar="T",
+                   help="sampling temperature; 0 (default) is greedy")
+    a.add_argument("--seed", type=int, default=None, help="random seed when --temp > 0")
+    a.add_argument("--no-cache", action="store_true",
+                   help="ignore the stored KV cache (full prefill), then store a fresh one")
+    a.add_argument("--json", action="store_true", help="print one JSON object")
+
+    b = add("batch", cmd_batch)
+    b.add_argument("file", metavar="FILE.jsonl", help="input lines; '-' reads stdin")
+    b.add_argument("-o", "--output", metavar="OUT.jsonl")
+    b.add_argument("-m", "--model", metavar="MODEL")
+    b.add_argument("--max-tokens", type=int, default=256, metavar="N")
+    b.add_argument("--temp", type=float, default=0.0, metavar="T")
+    b.add_argument("--resume", action="store_true",
+                   help="skip ids already present in OUT.jsonl")
+    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+    ls = add("list", cmd_list)
+    ls.add_argument("--json", action="store_true")
+    s = add("show", cmd_show)
+    s.add_argument("name", metavar="NAME")
+    s.add_argument("--json", action="store_true")
+    e = add("export", cmd_export)
+    e.add_argument("name", metavar="NAME")
+    e.add_argument("--format", choices=["md", "json"], default="md")
+    r = add("rm", cmd_rm)
+    r.add_argument("name", metavar="NAME")
+    add("models", cmd_models)
+    i = add("inspect", cmd_inspect)
+    i.add_argument("-m", "--model", metavar="MODEL")
+    i.add_argument("--json", action="store_true")
+    return p
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def open_store():
+    from .store import Store
+
+    return Store.open(paths.database_path())
+
+
+def open_session(store, model: str | None):
+    from .engine import Engine
+    from .session import Session
+
+    engine = Engine.load(model, progress=say)
+    return Session(store, engine, paths.kv_root(), paths.locks_dir())
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt from the argument, or stdin for '-' or when stdin is piped."""
+    if arg is None or arg == "-":
+        if arg is None and sys.stdin.isatty():
+            raise BadInput("no prompt: give PROMPT, or '-' to read stdin")
+        data = sys.stdin.buffer.read()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadInput(f"stdin is not valid UTF-8 (byte {err.start})") from None
+    else:
+        text = arg
+    if not text.strip():
+        raise BadInput("empty prompt")
+    return text
+
+
+class _GracefulInterrupt:
+    """First Ctrl-C asks the turn to stop after the current token; a second one aborts."""
+
+    def __init__(self, on_first: Callable[[], None]):
+        self.on_first = on_first
+        self.hits = 0
+
+    def __enter__(self):
+        self.previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.hits += 1
+        if self.hits > 1:
+            raise KeyboardInterrupt
+        self.on_first()
+
+    def __exit__(self, *exc):
+        signal.signal(signal.SIGINT, self.previous)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_ask(args) -> int:
+    """One turn in a conversation, reply streamed to stdout.
+
+    Without -c a new conversation is made and its name printed to stderr. The conversation's
+    KV cache comes back from disk, so only the new message is prefilled. Ctrl-C stops the
+    reply: what was generated is saved (marked partial) and the cache matches it.
+    """
+    from .session import Notice, PrefillProgress, ReplyChunk, TurnFinished
+
+    prompt = read_prompt(args.prompt)
+    if args.max_tokens < 1:
+        raise BadInput("--max-tokens must be at least 1")
+    store = open_store()
+    conv = store.find(args.conversation) if args.conversation else None
+    model = args.model or (conv.model if conv else None)
+    session = open_session(store, model)
+    model_name = session.engine.ref.name
+    if conv is None:
+        name = args.conversation or store.unique_name()
+        conv = store.create(name, model_name, args.system)
+        if not args.conversation:
+            print(f"conversation: {name}", file=sys.stderr)
+    else:
+        changes = {}
+        if conv.model != model_name:
+            changes["model"] = model_name
+        if args.system is not None and args.system != conv.system:
+            changes["system"] = args.system
+        if changes:
+            conv = store.update(conv, **changes)
+
+    progress = _Progress(enabled=sys.stderr.isatty())
+    finished = None
+    with _GracefulInterrupt(session.stop):
+        for ev in session.turn(conv, prompt, max_tokens=args.max_tokens, temp=args.temp,
+                               seed=args.seed, no_cache=args.no_cache):
+            if isinstance(ev, ReplyChunk):
+                progress.clear()
+                if not args.json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            elif isinstance(ev, PrefillProgress):
+                progress.show(f"prefill {ev.done}/{ev.total} tokens")
+            elif isinstance(ev, Notice):
+                progress.clear()
+                print(f"localchat: {ev.text}", file=sys.stderr)
+            elif isinstance(ev, TurnFinished):
+                finished = ev
+    progress.clear()
+    if args.json:
+        out = {"conversation": conv.name, "reply": finished.reply,
+               "usage": finished.usage.public()}
+        if finished.stopped:
+            out["stopped"] = True
+        print(json.dumps(out, ensure_ascii=False))
+    else:
+        if finished.reply and not finished.reply.endswith("\n"):
+            sys.stdout.write("\n")
+        if finished.stopped:
+            print("localchat: stopped; the partial reply is saved", file=sys.stderr)
+    return 130 if finished.stopped else 0
+
+
+class _Progress:
+    """A single self-overwriting status line on stderr (only on a terminal)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.shown = False
+
+    def show(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[2K{text}")
+            sys.stderr.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
+            self.shown = False
+
+
+def cmd_chat(args) -> int:
+    """Open the chat app (the default command)."""
+    from .tui.app import run_app
+
+    return run_app(conversation=getattr(args, "conversation", None),
+                   model=getattr(args, "model", None))
+
+
+def cmd_batch(args) -> int:
+    """Run many prompts from a JSONL file; one JSON result line per input line, in order."""
+    from .batch import run_batch
+
+    return run_batch(args)
+
+
+def cmd_list(args) -> int:
+    """List conversations, most recent first: name, model, messages, tokens, cache size."""
+    from .kvstore import KVStore
+
+    store = open_store()
+    rows = []
+    for conv in store.list():
+        rows.append({
+            "name": conv.name,
+            "model": conv.model,
+            "messages": len(store.messages(conv)),
+            "tokens": conv.tokens,
+            "cache_bytes": KVStore(paths.kv_root() / str(conv.id)).disk_bytes(),
+        })
+    if args.json:
+        print(json.dumps(rows, ensure_ascii=False))
+        return 0
+    if not rows:
+        print("no conversations yet; start one with: localchat ask -c NAME 'hello'")
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  {r['messages']:>4} msgs  {r['tokens']:>6} tokens  "
+              f"{_human(r['cache_bytes']):>9}  {r['model']}")
+    return 0
+
+
+def _messages_json(store, conv) -> dict:
+    return {
+        "name": conv.name,
+        "model": conv.model,
+        "system": conv.system,
+        "messages": [
+            {"role": m.role, "content": m.content, **({"partial": True} if m.partial else {})}
+            for m in store.messages(conv)
+        ],
+    }
+
+
+def cmd_show(args) -> int:
+    """Print a conversation's messages."""
+    store = open_store()
+    conv = store.get(args.name)
+    if args.json:
+        print(json.dumps(_messages_json(store, conv), ensure_ascii=False))
+        return 0
+    if conv.system:
+        print(f"[system] {conv.system}\n")
+    for m in store.messages(conv):
+        mark = " (stopped)" if m.partial else ""
+        print(f"[{m.role}]{mark} {m.content}\n")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Write a conversation as Markdown (default) or JSON to stdout."""
+    store = open_store()
+    conv = store.get(args.name)
+    if args.format == "json":
+        print(json.dumps(_messages_json(store, conv), ensure_ascii=False, indent=2))
+        return 0
+    print(f"# {conv.name}\n\n_model: {conv.model}_\n")
+    if conv.system:
+        print(f"**System:** {conv.system}\n")
+    for m in store.messages(conv):
+        who = {"user": "You", "assistant": "Assistant", "system": "System"}[m.role]
+        mark = " _(stopped)_" if m.partial else ""
+        print(f"## {who}{mark}\n\n{m.content}\n")
+    return 0
+
+
+def cmd_rm(args) -> int:
+    """Delete a conversation, its messages and its KV cache."""
+    import shutil
+
+    store = open_store()
+    conv = store.get(args.name)
+    store.delete(conv)
+    shutil.rmtree(paths.kv_root() / str(conv.id), ignore_errors=True)
+    print(f"deleted {conv.name}", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    """List models usable offline: the embedded default and the local Hugging Face cache."""
+    from .models import list_local
+
+    refs = list_local()
+    if not any(r.name == DEFAULT_MODEL for r in refs):
+        print(f"{DEFAULT_MODEL}  (embedded default; set up on first use)")
+    for r in refs:
+        print(f"{r.name}  ({r.source}: {r.path})")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    """What the KV cache costs for a model: geometry, bytes per token, bytes on disk."""
+    from .engine import Engine
+    from .kvstore import CacheInvalid, KVStore
+
+    engine = Engine.load(args.model, progress=say)
+    info = engine.info()
+    mine = total = tokens = 0
+    root = paths.kv_root()
+    if root.is_dir():
+        for folder in root.iterdir():
+            kv = KVStore(folder)
+            size = kv.disk_bytes()
+            total += size
+            try:
+                man = kv.manifest()
+            except CacheInvalid:
+                continue
+            if man and man.geometry.fingerprint == engine.fingerprint:
+                mine += size
+                tokens += len(man.tokens)
+    out = {**info.__dict__, "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
+           "all_caches_bytes_on_disk": total}
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    rows = [
+        ("model", info.name), ("layers", info.layers), ("heads", info.heads),
+        ("kv_heads", info.kv_heads), ("head_dim", info.head_dim), ("kv_dtype", info.kv_dtype),
+        ("kv_bytes_per_token", f"{info.kv_bytes_per_token:,} "
+         f"(2 x {info.layers} x {info.kv_heads} x {info.head_dim} x "
+         f"{info.kv_bytes_per_token // (2 * info.layers * info.kv_heads * info.head_dim)} B)"),
+        ("context_length", f"{info.context_length:,} tokens "
+         f"= {_human(info.context_length * info.kv_bytes_per_token)} of KV cache"),
+        ("cache on disk", f"{_human(mine)} for {tokens:,} tokens of this model"
+         + (f" ({mine / tokens:,.0f} B/token)" if tokens else "")),
+        ("all caches", _human(total)),
+    ]
+    for k, v in rows:
+        print(f"{k:<20} {v}")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        sys.exit(main())
+    except StorageError as err:
+        print(f"localchat: error: {err}", file=sys.stderr)
+        sys.exit(1)

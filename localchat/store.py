@@ -1,0 +1,209 @@
+"""Conversations and messages in one SQLite file, schema by numbered migrations.
+
+Plain ``sqlite3`` rows mapped to frozen dataclasses; no ORM. The schema version lives in
+``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the database from version i to i + 1 and is
+never edited once released (add a new one instead). WAL mode lets the app and ``ask`` read
+while the other writes; a conversation's turns are serialised by ``locks.py``, not here.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BadInput, ConversationNotFound, StorageError
+
+MIGRATIONS = [
+    """
+    CREATE TABLE conversations (
+        id INTEGER PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        model TEXT NOT NULL,
+        system TEXT,
+        created REAL NOT NULL,
+        updated REAL NOT NULL
+    );
+    CREATE TABLE messages (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+        content TEXT NOT NULL,
+        partial INTEGER NOT NULL DEFAULT 0,
+        created REAL NOT NULL,
+        UNIQUE (conversation_id, seq)
+    );
+    """,
+    # Cached figures for `localchat list`, written after each turn, so listing needs no model.
+    """
+    ALTER TABLE conversations ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
+    """,
+]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: int
+    name: str
+    model: str
+    system: str | None
+    created: float
+    updated: float
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Message:
+    id: int
+    seq: int
+    role: str
+    content: str
+    partial: bool
+    created: float
+
+
+class Store:
+    """The app's database. Open with ``Store.open(path)``; one per thread."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    @classmethod
+    def open(cls, path: Path) -> Store:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(path, timeout=30, isolation_level=None,
+                                 check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA foreign_keys=ON")
+            migrate(db)
+        except (OSError, sqlite3.Error) as err:
+            raise StorageError(f"cannot open the database {path}: {err}") from None
+        return cls(db)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- conversations ---------------------------------------------------------------------
+
+    def create(self, name: str, model: str, system: str | None = None) -> Conversation:
+        if not name.strip():
+            raise BadInput("a conversation name cannot be empty")
+        now = time.time()
+        try:
+            self._write(
+                "INSERT INTO conversations (name, model, system, created, updated)"
+                " VALUES (?, ?, ?, ?, ?)", (name, model, system, now, now))
+        except sqlite3.IntegrityError:
+            raise BadInput(f"a conversation named {name!r} already exists") from None
+        return self.get(name)
+
+    def get(self, name: str) -> Conversation:
+        row = self.db.execute(
+            "SELECT id, name, model, system, created, updated, tokens FROM conversations"
+            " WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise ConversationNotFound(f"no conversation named {name!r} (see `localchat list`)")
+        return Conversation(*row)
+
+    def find(self, name: str) -> Conversation | None:
+        try:
+            return self.get(name)
+        except ConversationNotFound:
+            return None
+
+    def list(self) -> list[Conversation]:
+        rows = self.db.execute(
+            "SELECT id, name, model, system, created, updated, tokens FROM conversations"
+            " ORDER BY updated DESC, id DESC").fetchall()
+        return [Conversation(*r) for r in rows]
+
+    def update(self, conv: Conversation, **fields) -> Conversation:
+        """Change ``name``, ``model``, ``system`` or ``tokens`` of a conversation."""
+        allowed = {"name", "model", "system", "tokens"}
+        assert set(fields) <= allowed, fields
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        try:
+            self._write(f"UPDATE conversations SET {sets}, updated = ? WHERE id = ?",
+                        (*fields.values(), time.time(), conv.id))
+        except sqlite3.IntegrityError:
+            raise BadInput(f"a conversation named {fields.get('name')!r} already exists") from None
+        return self.get(fields.get("name", conv.name))
+
+    def delete(self, conv: Conversation) -> None:
+        self._write("DELETE FROM conversations WHERE id = ?", (conv.id,))
+
+    def unique_name(self, base: str = "chat") -> str:
+        names = {c.name for c in self.list()}
+        i = 1
+        while f"{base}-{i}" in names:
+            i += 1
+        return f"{base}-{i}"
+
+    # -- messages --------------------------------------------------------------------------
+
+    def messages(self, conv: Conversation) -> list[Message]:
+        rows = self.db.execute(
+            "SELECT id, seq, role, content, partial, created FROM messages"
+            " WHERE conversation_id = ? ORDER BY seq", (conv.id,)).fetchall()
+        return [Message(r[0], r[1], r[2], r[3], bool(r[4]), r[5]) for r in rows]
+
+    def add_message(self, conv: Conversation, role: str, content: str,
+                    partial: bool = False) -> Message:
+        now = time.time()
+        try:
+            with self._tx():
+                seq = self.db.execute(
+                    "SELECT COALESCE(MAX(seq), 0) + 1 FROM messages WHERE conversation_id = ?",
+                    (conv.id,)).fetchone()[0]
+                cur = self.db.execute(
+                    "INSERT INTO messages (conversation_id, seq, role, content, partial, created)"
+                    " VALUES (?, ?, ?, ?, ?, ?)", (conv.id, seq, role, content, int(partial), now))
+                self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?",
+                                (now, conv.id))
+        except sqlite3.Error as err:
+            raise StorageError(f"cannot save the message: {err}") from None
+        return Message(cur.lastrowid, seq, role, content, partial, now)
+
+    def delete_messages_from(self, conv: Conversation, seq: int) -> None:
+        """Drop message ``seq`` and every later one (edit, regenerate)."""
+        self._write("DELETE FROM messages WHERE conversation_id = ? AND seq >= ?",
+                    (conv.id, seq))
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    def _write(self, sql: str, args: tuple) -> None:
+        try:
+            with self._tx():
+                self.db.execute(sql, args)
+        except sqlite3.IntegrityError:
+            raise
+        except sqlite3.Error as err:
+            raise StorageError(f"cannot write the database: {err}") from None
+
+    def _tx(self):
+        return _Transaction(self.db)
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE … COMMIT, rolled back on any error (autocommit connection)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db = db
+
+    def __enter__(self):
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb):
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        return False
+
+
+def migrate(db: sqlite3.Connection) -> int:
+    """Bring the schema to the newest version; return that version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    for i in range(version, len(MIGRATIONS)):
+        db.executescript(f"BEGIN; {MIGRATIONS[i]} PRAGMA user_version = {i + 1}; COMMIT;")
+    return len(MIGRATIONS)

@@ -1,0 +1,46 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_model):
+    from localchat.engine import Engine
+
+    return Engine.load(str(tiny_model))
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LOCALCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def store(home):
+    from localchat import paths
+    from localchat.store import Store
+
+    s = Store.open(paths.database_path())
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def session(store, engine, home):
+    from localchat import paths
+    from localchat.session import Session
+
+    return Session(store, engine, paths.kv_root(), paths.locks_dir())

@@ -1,0 +1,154 @@
+"""The core guarantee: a turn resumed from the disk cache decodes exactly like a full prefill."""
+
+import json
+
+from localchat import paths
+from localchat.kvstore import common_prefix
+from localchat.session import Notice, Session, TurnFinished
+
+
+def run(session, conv, prompt, **kw):
+    events = list(session.turn(conv, prompt, max_tokens=kw.pop("max_tokens", 12), **kw))
+    done = [e for e in events if isinstance(e, TurnFinished)]
+    assert len(done) == 1
+    return done[0], [e.text for e in events if isinstance(e, Notice)]
+
+
+def restart(store, engine):
+    """A new Session: nothing in memory, the cache must come from disk."""
+    return Session(store, engine, paths.kv_root(), paths.locks_dir())
+
+
+def full_prefill_reply(store, engine, conv, prompt, messages=None, **kw):
+    """Copy ``conv``'s messages (or ``messages``) into a fresh conversation, answer uncached."""
+    ref = store.create(f"ref-{conv.name}-{len(store.list())}", conv.model, conv.system)
+    for m in store.messages(conv) if messages is None else messages:
+        store.add_message(ref, m.role, m.content)
+    return run(restart(store, engine), ref, prompt, no_cache=True, **kw)[0]
+
+
+def test_resume_from_disk_equals_full_prefill(store, engine, session):
+    conv = store.create("trip", engine.ref.name)
+    first, _ = run(session, conv, "Hello, how are you today?")
+    second, _ = run(session, conv, "What is the capital of France?")
+    assert second.usage.cached_tokens >= first.usage.prompt_tokens
+
+    stored = session.kvstore(conv).manifest().tokens
+    assert len(stored) == second.usage.context_tokens
+    history = [{"role": m.role, "content": m.content} for m in store.messages(conv)]
+    rendered = engine.render(history + [{"role": "user", "content": "안녕하세요. 서울은 어때요?"}])
+    before = store.messages(conv)
+    resumed, notes = run(restart(store, engine), conv, "안녕하세요. 서울은 어때요?")
+    assert notes == []
+    u = resumed.usage
+    assert u.prompt_tokens == u.cached_tokens + u.prefilled_tokens == len(rendered)
+    # Every stored position up to the first token that re-renders differently is reused
+    # (random weights emit stray bytes that re-tokenize differently; real models do not).
+    assert u.cached_tokens == common_prefix(stored, rendered) >= second.usage.prompt_tokens
+    reference = full_prefill_reply(store, engine, conv, "안녕하세요. 서울은 어때요?", before)
+    assert reference.usage.cached_tokens == 0 and len(resumed.tokens) == 12
+    assert resumed.tokens == reference.tokens
+    assert resumed.reply == reference.reply
+
+
+def test_second_turn_prefills_only_the_new_message(store, engine, session):
+    conv = store.create("short", engine.ref.name)
+    run(session, conv, "Hello")
+    # A reply that round-trips through the tokenizer, as a real model's does.
+    msgs = store.messages(conv)
+    store.db.execute("UPDATE messages SET content = ? WHERE id = ?", ("Paris.", msgs[-1].id))
+    run(restart(store, engine), conv, "What is the capital of France?")  # re-aligns the cache
+    second, _ = run(restart(store, engine), conv, "Paris?", max_tokens=1)
+    store.db.execute("UPDATE messages SET content = ? WHERE id = ?",
+                     ("Seoul.", store.messages(conv)[-1].id))
+    third, _ = run(restart(store, engine), conv, "Korea?")
+    new_msg = engine.encode("<|im_end|>\n<|im_start|>user\nKorea?<|im_end|>\n<|im_start|>assistant\n")
+    # max_tokens=1: the single reply token was not fed, so it is prefilled with the message.
+    assert third.usage.cached_tokens == second.usage.prompt_tokens
+    assert third.usage.prefilled_tokens == len(engine.encode("Seoul.")) + len(new_msg)
+
+
+def test_edit_trims_the_cache_and_matches_full_prefill(store, engine, session):
+    conv = store.create("edit", engine.ref.name)
+    run(session, conv, "The capital of France is")
+    run(session, conv, "And Korea?")
+    # Edit the last user message: drop it and its reply, send a different one.
+    last_user = [m for m in store.messages(conv) if m.role == "user"][-1]
+    store.delete_messages_from(conv, last_user.seq)
+    edited, _ = run(restart(store, engine), conv, "And Seoul?", edited=True)
+    assert edited.usage.miss_reason == "edited"
+    assert edited.usage.cached_tokens > 0
+    store.delete_messages_from(conv, last_user.seq)
+    reference = full_prefill_reply(store, engine, conv, "And Seoul?")
+    assert edited.tokens == reference.tokens
+
+
+def test_retokenized_reply_is_absorbed_by_the_prefix_match(store, engine, session):
+    conv = store.create("retok", engine.ref.name)
+    run(session, conv, "Hello, how are you today?")
+    # Rewrite the stored reply so that it re-renders to different tokens than were generated.
+    msgs = store.messages(conv)
+    store.db.execute("UPDATE messages SET content = ? WHERE id = ?",
+                     (msgs[-1].content + " (edited)", msgs[-1].id))
+    resumed, _ = run(restart(store, engine), conv, "Thank you.")
+    assert 0 < resumed.usage.cached_tokens < resumed.usage.prompt_tokens
+    store.delete_messages_from(conv, msgs[-1].seq + 1)
+    reference = full_prefill_reply(store, engine, conv, "Thank you.")
+    assert resumed.tokens == reference.tokens
+
+
+def _files(folder):
+    return {f.name: f.read_bytes() for f in folder.iterdir() if f.name != "manifest.json"}
+
+
+def test_a_turn_leaves_bytes_on_disk_untouched(store, engine, session):
+    conv = store.create("append", engine.ref.name)
+    # max_tokens=1: the one reply token is not fed, so the cache is a prefix of the next
+    # rendering whatever the random model says (its replies may not re-tokenize the same).
+    run(session, conv, "Hello", max_tokens=1)
+    folder = session.kvstore(conv).folder
+    before = _files(folder)
+    run(restart(store, engine), conv, "Tell me more about caches.")
+    after = _files(folder)
+    assert before and all(after[name] == data for name, data in before.items())
+    assert len(after) == len(before) + 1
+
+
+def test_disk_size_is_close_to_theory(store, engine, session):
+    conv = store.create("size", engine.ref.name)
+    run(session, conv, "Hello, how are you today? " * 8, max_tokens=20)
+    run(session, conv, "Let us talk about caches. " * 8, max_tokens=20)
+    man = session.kvstore(conv).manifest()
+    per_token = engine.info().kv_bytes_per_token
+    kv_bytes = sum(s.nbytes for s in man.segments)
+    assert kv_bytes <= 1.05 * len(man.tokens) * per_token + 512 * len(man.segments)
+
+
+def _corrupt_manifest_fingerprint(folder):
+    man = json.loads((folder / "manifest.json").read_text())
+    man["fingerprint"] = "0" * 32 + "-float32-kv0"
+    (folder / "manifest.json").write_text(json.dumps(man))
+
+
+def _flip_a_byte(folder):
+    seg = sorted(folder.glob("seg-*.safetensors"))[0]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    seg.write_bytes(bytes(data))
+
+
+def test_damaged_cache_is_rebuilt_with_the_same_reply(store, engine, session):
+    for damage, reason in [(_corrupt_manifest_fingerprint, "model changed"),
+                           (_flip_a_byte, "checksum")]:
+        conv = store.create(f"damaged-{reason}", engine.ref.name)
+        run(session, conv, "Hello")
+        damage(session.kvstore(conv).folder)
+        rebuilt, notes = run(restart(store, engine), conv, "What is the capital of Korea?")
+        assert len(notes) == 1 and notes[0].startswith("cache rebuilt") and reason in notes[0]
+        assert rebuilt.usage.cached_tokens == 0
+        store.delete_messages_from(conv, store.messages(conv)[-2].seq)
+        reference = full_prefill_reply(store, engine, conv, "What is the capital of Korea?")
+        assert rebuilt.tokens == reference.tokens
+        # The rebuilt cache is good again: the next turn hits it.
+        again, notes = run(restart(store, engine), conv, "Thanks")
+        assert notes == [] and again.usage.cached_tokens > 0
