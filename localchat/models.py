@@ -80,8 +80,10 @@ def _hub_folder(repo_id: str, progress) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+    cache_dir = os.environ.get("HF_HUB_CACHE")  # read now, not at huggingface_hub's import
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True,
+                                      cache_dir=cache_dir))
     except Exception:  # noqa: BLE001 - any miss in the local cache means "try the network"
         pass
     if os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -89,7 +91,7 @@ def _hub_folder(repo_id: str, progress) -> Path:
     if progress:
         progress(f"downloading {repo_id} from the Hugging Face Hub")
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=cache_dir))
     except Exception as err:  # noqa: BLE001 - the hub raises many types; we report one line
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ModelNotFound(f"{repo_id}: cannot download from the Hub ({reason})") from None
@@ -104,7 +106,7 @@ def list_local() -> list[ModelRef]:
     try:
         from huggingface_hub import scan_cache_dir
 
-        for repo in scan_cache_dir().repos:
+        for repo in scan_cache_dir(os.environ.get("HF_HUB_CACHE")).repos:
             if repo.repo_type != "model":
                 continue
             for rev in repo.revisions:

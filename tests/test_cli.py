@@ -1,0 +1,132 @@
+"""The CLI contract, run in-process against the tiny model (``-m`` a local folder)."""
+
+import json
+import shutil
+
+import pytest
+
+from localchat.cli import main
+
+
+def ask(capsys, model, *args):
+    code = main(["ask", "-m", str(model), "--max-tokens", "8", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ask_json_contract_and_resume(home, tiny_model, capsys):
+    code, out, err = ask(capsys, tiny_model, "-c", "trip", "--json", "Hello there")
+    assert code == 0, err
+    first = json.loads(out)
+    assert first["conversation"] == "trip"
+    assert set(first["usage"]) >= {"prompt_tokens", "cached_tokens", "prefilled_tokens",
+                                   "completion_tokens", "ttft_s", "prefill_tps", "decode_tps"}
+    u = first["usage"]
+    assert u["cached_tokens"] == 0 and u["prompt_tokens"] == u["prefilled_tokens"]
+    # -m is remembered by the conversation; the second turn reuses the cache from disk.
+    code, out, err = ask(capsys, tiny_model, "-c", "trip", "--json", "And then?")
+    second = json.loads(out)["usage"]
+    assert second["cached_tokens"] >= u["prompt_tokens"]
+    assert second["prompt_tokens"] == second["cached_tokens"] + second["prefilled_tokens"]
+    # --no-cache: full prefill, then a fresh cache that the next turn uses.
+    code, out, err = ask(capsys, tiny_model, "-c", "trip", "--json", "--no-cache", "Again")
+    assert json.loads(out)["usage"]["cached_tokens"] == 0
+    code, out, err = ask(capsys, tiny_model, "-c", "trip", "--json", "Once more")
+    assert json.loads(out)["usage"]["cached_tokens"] > 0
+
+
+def test_ask_without_name_creates_one_and_streams_text(home, tiny_model, capsys):
+    code, out, err = ask(capsys, tiny_model, "안녕하세요")
+    assert code == 0
+    assert "conversation: chat-1" in err
+    assert main(["show", "chat-1", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
+    assert shown["messages"][0]["content"] == "안녕하세요"
+    assert out.rstrip("\n") == shown["messages"][1]["content"].rstrip("\n")
+
+
+def test_prompt_from_stdin(home, tiny_model, capsys, monkeypatch):
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("서울은?".encode())))
+    code, out, err = ask(capsys, tiny_model, "-c", "s", "-")
+    assert code == 0
+    main(["show", "s", "--json"])
+    assert json.loads(capsys.readouterr().out)["messages"][0]["content"] == "서울은?"
+
+
+def test_list_show_export_rm(home, tiny_model, capsys):
+    ask(capsys, tiny_model, "-c", "one", "--system", "Be brief.", "Hi")
+    ask(capsys, tiny_model, "-c", "two", "Hello")
+    assert main(["list", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == ["two", "one"]
+    assert all(r["messages"] == 2 and r["tokens"] > 0 and r["cache_bytes"] > 0 for r in rows)
+    assert main(["export", "one", "--format", "md"]) == 0
+    md = capsys.readouterr().out
+    assert md.startswith("# one") and "**System:** Be brief." in md and "## You\n\nHi" in md
+    assert main(["export", "one", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["system"] == "Be brief."
+    assert main(["rm", "one"]) == 0
+    capsys.readouterr()
+    main(["list", "--json"])
+    assert [r["name"] for r in json.loads(capsys.readouterr().out)] == ["two"]
+    assert not (home / "kv" / "1").exists()
+
+
+def test_inspect_reports_cache_geometry(home, tiny_model, capsys):
+    ask(capsys, tiny_model, "-c", "x", "Hello")
+    assert main(["inspect", "-m", str(tiny_model), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["layers"], info["kv_heads"], info["head_dim"]) == (2, 2, 16)
+    assert info["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
+    assert info["cache_tokens_on_disk"] > 0
+    assert info["cache_bytes_on_disk"] >= info["cache_tokens_on_disk"] * 256
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["show", "nope"], "no conversation named 'nope'"),
+    (["rm", "nope"], "no conversation named 'nope'"),
+    (["export", "nope"], "no conversation named 'nope'"),
+    (["ask", "-m", "/no/such/model", "hi"], "unknown model"),
+    (["ask", "-m", "not-a-model", "hi"], "unknown model"),
+])
+def test_bad_input_is_one_line(home, capsys, argv, message):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_empty_prompt_and_broken_model_folder(home, tiny_model, tmp_path, capsys):
+    assert main(["ask", "-m", str(tiny_model), "   "]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    assert main(["ask", "-m", str(broken), "hi"]) == 1
+    err = capsys.readouterr().err
+    assert "cannot load model" in err and err.count("\n") == 1
+
+
+def test_hub_repo_id_resolves_from_local_hub_cache(home, tiny_model, tmp_path, monkeypatch,
+                                                   capsys):
+    """A fake Hub cache laid out as huggingface-hub writes it; no network is touched."""
+    hub = tmp_path / "hub"
+    snap = hub / "models--tiny--llama" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(tiny_model, snap)
+    (hub / "models--tiny--llama" / "refs").mkdir(parents=True)
+    (hub / "models--tiny--llama" / "refs" / "main").write_text("0123456789abcdef")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    code = main(["ask", "-m", "tiny/llama", "-c", "hub", "--max-tokens", "4", "Hello"])
+    assert code == 0, capsys.readouterr().err
+    capsys.readouterr()
+    main(["list", "--json"])
+    assert json.loads(capsys.readouterr().out)[0]["model"] == "tiny/llama"
+    assert main(["models"]) == 0
+    assert "tiny/llama" in capsys.readouterr().out
+    assert main(["ask", "-m", "tiny/missing", "hi"]) == 1
+    assert "not in the local Hugging Face cache" in capsys.readouterr().err

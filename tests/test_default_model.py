@@ -1,0 +1,34 @@
+"""The real embedded default model, end to end through the CLI (slow: converts ~100 MB).
+
+Run with ``pytest -m slow``.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def localchat(home, *args):
+    env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "localchat", *args], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_default_model_answers_and_resumes(tmp_path):
+    home = tmp_path / "home"
+    first = localchat(home, "ask", "-c", "fr", "--json", "What is the capital of France?")
+    assert first.returncode == 0, first.stderr
+    one = json.loads(first.stdout)
+    assert "Paris" in one["reply"]
+    second = localchat(home, "ask", "-c", "fr", "--json", "And of Germany?")
+    two = json.loads(second.stdout)
+    u1, u2 = one["usage"], two["usage"]
+    # The whole first turn (prompt + reply, less the unfed end-of-turn token) is reused.
+    assert u2["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"] - 3
+    new_message = len("\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n")
+    assert u2["prefilled_tokens"] < new_message  # tokens, far fewer than characters
+    assert "Berlin" in two["reply"]
