@@ -1,15 +1,105 @@
-"""Pick fast settings for the MLX backend this process runs on.
+"""Fast settings for the MLX backend this process runs on; no-ops on Metal and CUDA.
 
-``prepare()`` runs before ``mlx.core`` is first imported; ``tune(model)`` after a model
-loads. Both are no-ops where there is nothing to gain (Metal, CUDA).
+On Linux CPU the stock ``mlx[cpu]`` wheel links a reference BLAS (~5-8 GFLOP/s for a 1024²
+f32 matmul) and quantized matmuls use no BLAS at all, so a 4-bit model prefills at ~11 tok/s.
+Two changes make it fast there:
+
+- ``prepare()``, before ``mlx.core`` is imported, loads OpenBLAS with ``RTLD_GLOBAL`` so that
+  libmlx's ``cblas_sgemm`` binds to it (~250-470 GFLOP/s here). It looks for the
+  ``cmeel-openblas`` wheel (a Linux dependency of localchat), then the system's libopenblas.
+  ``LOCALCHAT_BLAS=/path/to/libopenblas.so`` picks one; ``LOCALCHAT_BLAS=off`` disables it.
+- ``tune(model)``, after loading, dequantizes quantized layers to float32 when the default
+  device is the CPU, so every matmul goes through that BLAS (measured on the default model:
+  prefill 10 → 320 tok/s, decode 9 → 21 tok/s; float16 on CPU is slower than float32).
+
+Neither touches a Metal or CUDA run: there the quantized kernels are the fast path.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
+import sys
+from pathlib import Path
 
-def prepare() -> None:
-    """Hook run before MLX loads (see issue: fast BLAS on Linux CPU)."""
+_blas: str | None = None
+
+
+def prepare() -> str | None:
+    """Load a fast BLAS globally if this is a Linux CPU process; return its path or None."""
+    global _blas
+    if _blas is not None or not sys.platform.startswith("linux"):
+        return _blas
+    choice = os.environ.get("LOCALCHAT_BLAS", "")
+    if choice.lower() in ("off", "0", "no"):
+        return None
+    for path in [choice] if choice else _candidates():
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError:
+            continue
+        _blas = path
+        return path
+    return None
+
+
+def _candidates() -> list[str]:
+    found = []
+    for entry in sys.path:
+        lib = Path(entry) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
+        if lib.is_file():
+            found.append(str(lib))
+    system = ctypes.util.find_library("openblas")
+    if system:
+        found.append(system)
+    return found
+
+
+def blas_in_use() -> str | None:
+    return _blas
+
+
+def on_cpu() -> bool:
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def tune(model) -> None:
-    """Hook run after a model loads."""
+    """On the CPU, replace quantized layers by float32 ones (BLAS matmuls)."""
+    if not on_cpu() or os.environ.get("LOCALCHAT_DEQUANTIZE") == "0":
+        return
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    swaps = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.QuantizedLinear):
+            w = mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits)
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in mod)
+            new.weight = w.astype(mx.float32)
+            if "bias" in mod:
+                new.bias = mod.bias.astype(mx.float32)
+        elif isinstance(mod, nn.QuantizedEmbedding):
+            w = mx.dequantize(mod.weight, mod.scales, mod.biases, mod.group_size, mod.bits)
+            new = nn.Embedding(w.shape[0], w.shape[1])
+            new.weight = w.astype(mx.float32)
+        else:
+            continue
+        swaps.append((name, new))
+    for name, new in swaps:
+        _set_child(model, name, new)
+    if swaps:
+        mx.eval(model.parameters())
+
+
+def _set_child(root, dotted: str, new) -> None:
+    *parents, last = dotted.split(".")
+    node = root
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else getattr(node, p)
+    if last.isdigit():
+        node[int(last)] = new
+    else:
+        setattr(node, last, new)

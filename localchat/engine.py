@@ -11,6 +11,7 @@ that ends the reply (EOS or the last allowed token): the next turn prefills it.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ class Engine:
         self.kv_bits = kv_bits
         self._fingerprint: str | None = None
         self._info: ModelInfo | None = None
+        self._compute_dtype = None
 
     @classmethod
     def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None) -> Engine:
@@ -60,8 +62,8 @@ class Engine:
         Raises:
             ModelNotFound / ModelBroken: with a one-line reason.
         """
+        backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
-        backend.prepare()
         from mlx_lm.utils import load_model
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -89,12 +91,13 @@ class Engine:
         if self._info is None:
             import mlx.core as mx
 
-            cache = self.new_cache()
+            cache = self._plain_cache()
             self.model(mx.array([[0]]), cache=cache)  # one token reveals K/V shape and dtype
-            first = cache[0]
-            keys = first.state[0]
+            keys = cache[0].state[0]
             _, kv_heads, _, head_dim = keys.shape
-            dtype = str(keys.dtype).replace("mlx.core.", "")
+            self._compute_dtype = keys.dtype
+            store = mx.float16 if keys.dtype == mx.float32 else keys.dtype
+            dtype = str(store).replace("mlx.core.", "")
             layers = len(cache)
             heads = int(self.config.get("num_attention_heads", kv_heads))
             ctx = self.config.get("max_position_embeddings") or getattr(
@@ -109,9 +112,9 @@ class Engine:
                 kv_heads=int(kv_heads),
                 head_dim=int(head_dim),
                 kv_dtype=dtype,
-                kv_bytes_per_token=2 * layers * int(kv_heads) * int(head_dim) * keys.dtype.size,
+                kv_bytes_per_token=2 * layers * int(kv_heads) * int(head_dim) * store.size,
                 context_length=int(ctx),
-                trimmable=all(type(c).__name__ == "KVCache" for c in cache),
+                trimmable=all(is_plain_kv(c) for c in cache),
             )
         return self._info
 
@@ -143,9 +146,23 @@ class Engine:
     # -- compute ---------------------------------------------------------------------------
 
     def new_cache(self) -> list:
+        """An empty cache. float32 K/V (CPU) is rounded to float16 as it enters the cache,
+        like llama.cpp's default f16 cache: half the disk, and the disk copy is lossless, so
+        a resumed turn computes exactly what a full prefill computes."""
+        info = self.info()
+        if info.trimmable and self._compute_dtype != info_dtype(info):
+            return [_half_stored_cache_class()() for _ in range(info.layers)]
+        return self._plain_cache()
+
+    def _plain_cache(self) -> list:
         from mlx_lm.models.cache import make_prompt_cache
 
         return make_prompt_cache(self.model)
+
+    def to_compute(self, array):
+        """A stored K/V array in the dtype the model computes with."""
+        self.info()
+        return array.astype(self._compute_dtype)
 
     def prefill(self, tokens: list[int], cache: list, chunk: int = PREFILL_CHUNK):
         """Feed ``tokens`` (at least one) into ``cache``.
@@ -201,6 +218,36 @@ class Engine:
             y = sampler(self.model(y[:, None], cache=cache)[:, -1, :])
             mx.async_eval(y)
             yield tok
+
+
+def info_dtype(info: ModelInfo):
+    import mlx.core as mx
+
+    return getattr(mx, info.kv_dtype)
+
+
+@functools.cache
+def _half_stored_cache_class():
+    """Made on first use: importing mlx_lm at module import would load MLX before
+    ``backend.prepare()`` could pick the BLAS."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    class HalfStoredKVCache(KVCache):
+        """A KVCache whose entries are rounded to float16 (kept in the compute dtype)."""
+
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(keys.astype(mx.float16).astype(keys.dtype),
+                                            values.astype(mx.float16).astype(values.dtype))
+
+    return HalfStoredKVCache
+
+
+def is_plain_kv(cache) -> bool:
+    """True for mlx-lm's KVCache and our subclass: trimmable at any position."""
+    from mlx_lm.models.cache import KVCache
+
+    return type(cache) is KVCache or type(cache) is _half_stored_cache_class()
 
 
 def cache_offset(cache: list) -> int:

@@ -125,7 +125,8 @@ class KVStore:
         return Manifest.from_json(text)
 
     def load(self, geometry: Geometry) -> tuple[list[int], list] | None:
-        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n, head_dim].
+        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n, head_dim], in the
+        stored dtype (``geometry.dtype``).
 
         Returns None when no cache exists. Raises ``CacheInvalid`` on any mismatch or damage.
         """
@@ -141,6 +142,7 @@ class KVStore:
         if not man.segments:
             return [], []
         keys, values = [], []
+        dtype_name = f"mlx.core.{geometry.dtype}"
         for seg in man.segments:
             path = self.folder / seg.file
             try:
@@ -155,7 +157,7 @@ class KVStore:
             except Exception:  # noqa: BLE001 - mx.load raises bare RuntimeError/ValueError
                 raise CacheInvalid(f"segment {seg.file} unreadable") from None
             want = (geometry.layers, geometry.kv_heads, seg.end - seg.start, geometry.head_dim)
-            if tuple(k.shape) != want or tuple(v.shape) != want:
+            if tuple(k.shape) != want or tuple(v.shape) != want or str(k.dtype) != dtype_name:
                 raise CacheInvalid(f"segment {seg.file} has the wrong shape")
             keys.append(k)
             values.append(v)
@@ -195,12 +197,14 @@ class KVStore:
                 if seg.end <= k:
                     keep.append(seg)
                 elif seg.start < k:  # cut by an edit: rewrite its kept part
-                    new = self._write_segment(cache, seg.start, k, self._next_index(old))
+                    new = self._write_segment(cache, seg.start, k, self._next_index(old),
+                                              geometry.dtype)
                     written += new.nbytes
                     keep.append(new)
         pos = keep[-1].end if keep else 0
         if pos < len(tokens):
-            new = self._write_segment(cache, pos, len(tokens), self._next_index(old, keep))
+            new = self._write_segment(cache, pos, len(tokens), self._next_index(old, keep),
+                                      geometry.dtype)
             written += new.nbytes
             keep.append(new)
         man = Manifest(geometry, list(tokens), keep)
@@ -226,11 +230,13 @@ class KVStore:
         nums = [int(n[4:10]) for n in names if n[4:10].isdigit()]
         return max(nums, default=0) + 1
 
-    def _write_segment(self, cache: list, start: int, end: int, index: int) -> Segment:
+    def _write_segment(self, cache: list, start: int, end: int, index: int,
+                       dtype_name: str) -> Segment:
         import mlx.core as mx
 
-        keys = mx.stack([c.state[0][0, :, start:end, :] for c in cache])
-        values = mx.stack([c.state[1][0, :, start:end, :] for c in cache])
+        dtype = getattr(mx, dtype_name)
+        keys = mx.stack([c.state[0][0, :, start:end, :] for c in cache]).astype(dtype)
+        values = mx.stack([c.state[1][0, :, start:end, :] for c in cache]).astype(dtype)
         name = f"seg-{index:06d}.safetensors"
         tmp = self.folder / f".tmp-{name}"  # mx.save_safetensors wants the suffix
         mx.save_safetensors(str(tmp), {"keys": keys, "values": values})

@@ -321,7 +321,7 @@ class Session:
         tokens, layers = loaded
         cache = engine.new_cache()
         for c, (keys, values) in zip(cache, layers):
-            c.state = (keys, values, keys.shape[2])
+            c.state = (engine.to_compute(keys), engine.to_compute(values), keys.shape[2])
         return tokens, cache, ""
 
     def _persist(self, conv, store: KVStore, geometry, fed_candidates: list[int], cache,
