@@ -1,0 +1,393 @@
+"""The chat app: conversations sidebar, streamed Markdown replies, input box, status bar.
+
+What it is: a Textual front end over ``Session`` — no model logic here. All MLX work (loading
+a model, every turn) runs on a worker thread, one at a time; the worker posts messages
+(``messages.py``) and this thread renders them. Run it with ``localchat`` or
+``localchat chat [-c NAME] [-m MODEL]``.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable
+
+from textual import on, work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Label
+from textual.widgets import Markdown as MarkdownWidget
+
+from .. import paths
+from ..engine import Engine
+from ..errors import LocalchatError
+from ..models import DEFAULT_MODEL, list_local
+from ..session import Notice, PrefillProgress, ReplyChunk, Session, TurnFinished
+from ..store import Conversation, Store
+from .chatview import ChatView
+from .composer import Composer
+from .messages import (ModelFailed, ModelLoaded, ModelProgressed, PrefillAdvanced,
+                       ReplyStreamed, TurnFailed, TurnFinishedMsg, TurnNoticed)
+from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
+from .sidebar import Sidebar
+from .statusbar import StatusBar
+
+EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
+
+
+class LocalchatApp(App):
+    CSS_PATH = "app.tcss"
+    TITLE = "localchat"
+    # priority: the text boxes bind ctrl+e (end of line) and ctrl+d (delete right); End and
+    # Delete still do those. The actions ignore keys while a dialog is open.
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+n", "new", "New", priority=True),
+        Binding("ctrl+r", "regenerate", "Regenerate", priority=True),
+        Binding("ctrl+e", "edit_last", "Edit last", priority=True),
+        Binding("f2", "rename", "Rename"),
+        Binding("ctrl+d", "delete", "Delete", priority=True),
+        Binding("ctrl+t", "system_prompt", "System", priority=True),
+        Binding("ctrl+o", "pick_model", "Model", priority=True),
+        Binding("f1", "help", "Help"),
+        Binding("ctrl+q", "quit", "Quit", priority=True),
+    ]
+
+    def __init__(self, conversation: str | None = None, model: str | None = None,
+                 load_engine: EngineLoader | None = None, max_tokens: int = 1024):
+        super().__init__()
+        self.want_conversation = conversation
+        self.want_model = model
+        self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
+        self.max_tokens = max_tokens
+        self.store: Store | None = None
+        self.session: Session | None = None  # used only on the worker thread
+        self.current: Conversation | None = None
+        self.busy = False
+        self.editing = False
+        self._stream = None
+        self._loaded_model: str | None = None
+
+    # -- layout ----------------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        with Horizontal(id="main"):
+            yield Sidebar()
+            with Vertical(id="right"):
+                yield ChatView(id="chat")
+                yield Composer(id="composer")
+                yield Label("", id="draft")
+        yield StatusBar(id="status")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        try:
+            self.store = Store.open(paths.database_path())
+        except LocalchatError as err:
+            self.notify(str(err), severity="error", timeout=30)
+            return
+        conv = None
+        if self.want_conversation:
+            conv = self.store.find(self.want_conversation) or self.store.create(
+                self.want_conversation, self.want_model or DEFAULT_MODEL)
+        else:
+            convs = self.store.list()
+            conv = convs[0] if convs else self.store.create(
+                self.store.unique_name(), self.want_model or DEFAULT_MODEL)
+        if self.want_model and conv.model != self.want_model:
+            conv = self.store.update(conv, model=self.want_model)
+        self.open_conversation(conv)
+        self.query_one(Composer).focus()
+
+    # -- conversations ---------------------------------------------------------------------
+
+    def refresh_sidebar(self) -> None:
+        self.query_one(Sidebar).set_conversations(
+            self.store.list(), self.current.name if self.current else None)
+
+    def open_conversation(self, conv: Conversation) -> None:
+        self.current = conv
+        self.editing = False
+        self.query_one(ChatView).show(self.store.messages(conv))
+        self.refresh_sidebar()
+        status = self.query_one(StatusBar)
+        status.last_turn = f"{conv.tokens} tokens cached on disk" if conv.tokens else ""
+        if self._loaded_model != conv.model:
+            self.start_model(conv.model)
+
+    @on(Sidebar.Picked)
+    def picked(self, event: Sidebar.Picked) -> None:
+        if self.busy:
+            self.notify("wait for the reply to finish (Esc stops it)", severity="warning")
+            return
+        self.open_conversation(self.store.get(event.conv.name))
+
+    # -- model -----------------------------------------------------------------------------
+
+    def start_model(self, name: str) -> None:
+        self.busy = True
+        self._loaded_model = name
+        self.query_one(StatusBar).model = f"loading {name}…"
+        self.load_model_worker(name)
+
+    @work(thread=True, exclusive=True, group="mlx")
+    def load_model_worker(self, name: str) -> None:
+        model_arg = None if name == DEFAULT_MODEL else name
+        try:
+            engine = self.load_engine(model_arg, lambda t: self.post_message(ModelProgressed(t)))
+            info = engine.info()
+            engine.fingerprint  # noqa: B018 - hash the weights now, not on the first turn
+        except LocalchatError as err:
+            self.post_message(ModelFailed(str(err)))
+            return
+        store = Store.open(paths.database_path())
+        self.session = Session(store, engine, paths.kv_root(), paths.locks_dir())
+        self.post_message(ModelLoaded(info))
+
+    def on_model_progressed(self, msg: ModelProgressed) -> None:
+        self.query_one(StatusBar).activity = msg.text
+
+    def on_model_loaded(self, msg: ModelLoaded) -> None:
+        self.busy = False
+        status = self.query_one(StatusBar)
+        status.model = msg.info.name.rsplit("/", 1)[-1] if "/" in msg.info.name else msg.info.name
+        status.context = (self.current.tokens if self.current else 0, msg.info.context_length)
+        status.activity = ""
+        self.update_draft_count()
+
+    def on_model_failed(self, msg: ModelFailed) -> None:
+        self.busy = False
+        self._loaded_model = None
+        self.query_one(StatusBar).model = "no model"
+        self.query_one(StatusBar).activity = ""
+        self.notify(msg.text, severity="error", timeout=15)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    @on(Composer.Submitted)
+    def submitted(self, event: Composer.Submitted) -> None:
+        if self.busy or self.session is None:
+            self.notify("the model is busy or not loaded yet", severity="warning")
+            return
+        text = event.text
+        edited = False
+        if self.editing:
+            edited = True
+            self.editing = False
+            users = [m for m in self.store.messages(self.current) if m.role == "user"]
+            if users:
+                self.store.delete_messages_from(self.current, users[-1].seq)
+                self.query_one(ChatView).show(self.store.messages(self.current))
+        event.composer.clear()
+        self.begin_turn(text, edited)
+
+    def begin_turn(self, prompt: str | None, edited: bool) -> None:
+        chat = self.query_one(ChatView)
+        if prompt is not None:
+            chat.add_user(prompt)
+        reply = chat.add_reply()
+        self._stream = MarkdownWidget.get_stream(reply)
+        self.busy = True
+        self.query_one(StatusBar).activity = "thinking…"
+        self.turn_worker(self.current, prompt, edited)
+
+    @work(thread=True, exclusive=True, group="mlx")
+    def turn_worker(self, conv: Conversation, prompt: str | None, edited: bool) -> None:
+        session = self.session
+        try:
+            conv = session.store.get(conv.name)
+            for ev in session.turn(conv, prompt, max_tokens=self.max_tokens, edited=edited):
+                if isinstance(ev, ReplyChunk):
+                    self.post_message(ReplyStreamed(ev.text))
+                elif isinstance(ev, PrefillProgress):
+                    self.post_message(PrefillAdvanced(ev.done, ev.total))
+                elif isinstance(ev, Notice):
+                    self.post_message(TurnNoticed(ev.text))
+                elif isinstance(ev, TurnFinished):
+                    self.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
+        except LocalchatError as err:
+            self.post_message(TurnFailed(str(err), prompt))
+
+    def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
+        self.query_one(StatusBar).activity = f"prefilling {msg.done}/{msg.total} tokens…"
+
+    async def on_reply_streamed(self, msg: ReplyStreamed) -> None:
+        status = self.query_one(StatusBar)
+        if status.activity:
+            status.activity = ""
+        if self._stream is not None:
+            await self._stream.write(msg.text)
+
+    def on_turn_noticed(self, msg: TurnNoticed) -> None:
+        self.notify(msg.text, severity="warning")
+
+    async def on_turn_finished_msg(self, msg: TurnFinishedMsg) -> None:
+        await self._end_stream()
+        if msg.stopped:
+            chat = self.query_one(ChatView)
+            replies = chat.query("AssistantMessage")
+            if replies:
+                await replies.last().append("\n\n_(stopped)_")
+        self.busy = False
+        self.query_one(StatusBar).show_usage(msg.usage)
+        self.current = self.store.get(self.current.name)
+        self.refresh_sidebar()
+
+    async def on_turn_failed(self, msg: TurnFailed) -> None:
+        await self._end_stream()
+        self.busy = False
+        self.query_one(StatusBar).activity = ""
+        self.notify(msg.text, severity="error", timeout=15)
+        # Show what is stored, and give an unsent message back to the composer.
+        stored = self.store.messages(self.current)
+        self.query_one(ChatView).show(stored)
+        if msg.prompt and not (stored and stored[-1].role == "user"
+                               and stored[-1].content == msg.prompt):
+            self.query_one(Composer).text = msg.prompt
+
+    async def _end_stream(self) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+
+    # -- draft token count -----------------------------------------------------------------
+
+    @on(Composer.Changed)
+    def draft_changed(self) -> None:
+        self.update_draft_count()
+
+    def update_draft_count(self) -> None:
+        text = self.query_one(Composer).text
+        label = self.query_one("#draft", Label)
+        session = self.session
+        if session is None:
+            label.update("")
+            return
+        # The tokenizer is not MLX; it is fast enough for the UI thread at typing speed.
+        n = session.engine.count_tokens(text)
+        hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
+        label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
+
+    # -- actions ---------------------------------------------------------------------------
+
+    @property
+    def dialog_open(self) -> bool:
+        return len(self.screen_stack) > 1
+
+    def action_stop(self) -> None:
+        if self.busy and self.session is not None:
+            self.session.stop()
+
+    def action_new(self) -> None:
+        if self.busy or self.dialog_open:
+            return
+        model = self.current.model if self.current else DEFAULT_MODEL
+        self.open_conversation(self.store.create(self.store.unique_name(), model))
+        self.query_one(Composer).focus()
+
+    def action_regenerate(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        msgs = self.store.messages(self.current)
+        users = [m for m in msgs if m.role == "user"]
+        if not users:
+            self.notify("nothing to regenerate yet")
+            return
+        self.store.delete_messages_from(self.current, users[-1].seq + 1)
+        self.query_one(ChatView).show(self.store.messages(self.current))
+        self.begin_turn(None, edited=True)
+
+    def action_edit_last(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        users = [m for m in self.store.messages(self.current) if m.role == "user"]
+        if not users:
+            self.notify("no message to edit yet")
+            return
+        composer = self.query_one(Composer)
+        composer.text = users[-1].content
+        composer.focus()
+        self.editing = True
+        self.update_draft_count()
+
+    def action_rename(self) -> None:
+        if self.dialog_open or self.current is None:
+            return
+
+        def done(name: str | None) -> None:
+            if name and name.strip() and name != self.current.name:
+                try:
+                    self.current = self.store.update(self.current, name=name.strip())
+                except LocalchatError as err:
+                    self.notify(str(err), severity="error")
+                self.refresh_sidebar()
+
+        self.push_screen(TextScreen("Rename conversation", self.current.name), done)
+
+    def action_delete(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        conv = self.current
+
+        def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            self.store.delete(conv)
+            shutil.rmtree(paths.kv_root() / str(conv.id), ignore_errors=True)
+            convs = self.store.list()
+            nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
+            self.open_conversation(nxt)
+            self.notify(f"deleted {conv.name}")
+
+        self.push_screen(ConfirmScreen(f"Delete conversation {conv.name!r} and its cache?"),
+                         done)
+
+    def action_system_prompt(self) -> None:
+        if self.dialog_open or self.current is None:
+            return
+
+        def done(text: str | None) -> None:
+            if text is not None:
+                self.current = self.store.update(self.current, system=text.strip() or None)
+                self.notify("system prompt set" if text.strip() else "system prompt cleared")
+
+        self.push_screen(TextScreen("System prompt (empty for the model's default)",
+                                    self.current.system or ""), done)
+
+    def action_pick_model(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        names = [DEFAULT_MODEL] + [r.name for r in list_local() if r.name != DEFAULT_MODEL]
+        if self.current.model not in names:
+            names.append(self.current.model)
+
+        def done(name: str | None) -> None:
+            if name and name != self.current.model:
+                self.current = self.store.update(self.current, model=name)
+                self.start_model(name)
+
+        self.push_screen(ModelScreen(names), done)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New conversation", "Start a new conversation", self.action_new)
+        yield SystemCommand("Regenerate", "Regenerate the last reply", self.action_regenerate)
+        yield SystemCommand("Edit last message", "Edit and resend your last message",
+                            self.action_edit_last)
+        yield SystemCommand("Rename conversation", "Rename this conversation",
+                            self.action_rename)
+        yield SystemCommand("Delete conversation", "Delete this conversation",
+                            self.action_delete)
+        yield SystemCommand("System prompt", "Set this conversation's system prompt",
+                            self.action_system_prompt)
+        yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
+        yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)
+
+
+def run_app(conversation: str | None = None, model: str | None = None) -> int:
+    LocalchatApp(conversation=conversation, model=model).run()
+    return 0

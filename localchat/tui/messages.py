@@ -1,0 +1,63 @@
+"""Messages the model worker thread posts to the app (past tense: things that happened).
+
+The worker never touches widgets; it posts these, and the app updates the screen on its own
+thread. High-rate ones (prefill progress) may replace each other in the queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from ..engine import ModelInfo
+from ..session import Usage
+
+
+@dataclass
+class ModelProgressed(Message):
+    """A step of loading or first-time set-up of a model."""
+
+    text: str
+
+
+@dataclass
+class ModelLoaded(Message):
+    info: ModelInfo
+
+
+@dataclass
+class ModelFailed(Message):
+    text: str
+
+
+@dataclass
+class PrefillAdvanced(Message):
+    done: int
+    total: int
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, PrefillAdvanced)
+
+
+@dataclass
+class ReplyStreamed(Message):
+    text: str
+
+
+@dataclass
+class TurnNoticed(Message):
+    text: str
+
+
+@dataclass
+class TurnFinishedMsg(Message):
+    usage: Usage
+    reply: str
+    stopped: bool
+
+
+@dataclass
+class TurnFailed(Message):
+    text: str
+    prompt: str | None  # given back to the composer so nothing typed is lost

@@ -1,0 +1,58 @@
+"""The status bar: model, context use, and the last turn's cache hit and speed.
+
+Everything it shows comes from the ``Usage`` record a turn returns (data down).
+"""
+
+from __future__ import annotations
+
+from textual.reactive import reactive
+from textual.widgets import Static
+
+from ..session import Usage
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def describe(usage: Usage) -> str:
+    """The last-turn part of the status bar, e.g. 'cached 380 / prefilled 32 (92% hit)'."""
+    parts = [
+        f"cached {usage.cached_tokens} / prefilled {usage.prefilled_tokens} "
+        f"({usage.hit_ratio:.0%} hit)",
+        f"gen {usage.completion_tokens}",
+        f"TTFT {usage.ttft_s:.2f}s",
+        f"prefill {usage.prefill_tps:.0f} tok/s",
+        f"decode {usage.decode_tps:.1f} tok/s",
+        f"KV {human_bytes(usage.cache_bytes)}",
+    ]
+    if usage.miss_reason:
+        parts.append(f"miss: {usage.miss_reason}")
+    return " · ".join(parts)
+
+
+class StatusBar(Static):
+    model: reactive[str] = reactive("loading model…")
+    context: reactive[tuple[int, int]] = reactive((0, 0))
+    last_turn: reactive[str] = reactive("")
+    activity: reactive[str] = reactive("")  # prefill progress, model set-up
+
+    def render(self) -> str:
+        used, length = self.context
+        parts = [self.model]
+        if length:
+            parts.append(f"ctx {used}/{length}")
+        if self.activity:
+            parts.append(self.activity)
+        elif self.last_turn:
+            parts.append(self.last_turn)
+        return " · ".join(parts)
+
+    def show_usage(self, usage: Usage) -> None:
+        self.context = (usage.context_tokens, usage.context_length)
+        self.last_turn = describe(usage)
+        self.activity = ""

@@ -1,0 +1,34 @@
+"""A scripted engine for UI tests: the tiny real model, with replies taken from a queue.
+
+Decoding feeds each scripted token through the real model, so the KV cache, the disk store and
+the usage figures are all real; only the choice of tokens is scripted (readable Markdown).
+"""
+
+from __future__ import annotations
+
+import time
+
+from localchat.engine import Engine
+
+
+class ScriptedEngine(Engine):
+    def __init__(self, base: Engine, replies: list[str] | None = None, delay: float = 0.0):
+        super().__init__(base.model, base.tokenizer, base.ref, base.config)
+        self.replies = list(replies or [])
+        self.delay = delay
+
+    def decode(self, cache, logits, max_tokens, temp=0.0, seed=None):
+        import mlx.core as mx
+
+        text = self.replies.pop(0) if self.replies else "ok"
+        eos = next(iter(self.eos_ids))
+        tokens = self.encode(text) + [eos]
+        for n, tok in enumerate(tokens[:max_tokens]):
+            if self.delay:
+                time.sleep(self.delay)
+            last = tok == eos or n == max_tokens - 1
+            if not last:
+                mx.eval(self.model(mx.array([[tok]]), cache=cache))
+            yield tok
+            if last:
+                return

@@ -1,0 +1,187 @@
+"""The chat app driven by real key presses (Textual Pilot), asserting on what is shown."""
+
+import pytest
+
+from fakes import ScriptedEngine
+from localchat.tui.app import LocalchatApp
+from localchat.tui.chatview import AssistantMessage, UserMessage
+from localchat.tui.composer import Composer
+from localchat.tui.statusbar import StatusBar
+
+
+@pytest.fixture
+def make_app(home, engine):
+    def make(replies=(), delay=0.0, **kw):
+        scripted = ScriptedEngine(engine, list(replies), delay)
+        return LocalchatApp(load_engine=lambda name, progress: scripted, **kw), scripted
+    return make
+
+
+async def settle(app, pilot):
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+    await pilot.pause()
+
+
+async def type_and_send(pilot, text):
+    await pilot.press(*text)
+    await pilot.press("enter")
+
+
+def status_text(app) -> str:
+    return str(app.query_one(StatusBar).render())
+
+
+def replies(app) -> list[str]:
+    return [m.source for m in app.query(AssistantMessage)]
+
+
+def users(app) -> list[str]:
+    return [str(m.render()) for m in app.query(UserMessage)]
+
+
+async def test_send_streams_markdown_and_shows_usage(make_app):
+    app, _ = make_app(["# Paris\n\n- the capital\n- of France"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "What is the capital of France?")
+        await settle(app, pilot)
+        assert users(app) == ["What is the capital of France?"]
+        assert replies(app) == ["# Paris\n\n- the capital\n- of France"]
+        assert app.query_one(AssistantMessage).query("MarkdownH1")  # rendered, not raw
+        status = status_text(app)
+        assert "cached 0 / prefilled" in status and "miss: new conversation" in status
+        assert app.query_one(Composer).text == ""
+
+
+async def test_multiline_input_and_korean(make_app):
+    app, _ = make_app(["네, 알겠습니다."])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await pilot.press(*"안녕하세요")
+        await pilot.press("ctrl+j")
+        await pilot.press(*"second line")
+        composer = app.query_one(Composer)
+        assert composer.text == "안녕하세요\nsecond line"
+        draft = str(app.query_one("#draft").render())
+        assert f"{app.session.engine.count_tokens(composer.text)} tokens" in draft
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert users(app) == ["안녕하세요\nsecond line"]
+        assert replies(app) == ["네, 알겠습니다."]
+        stored = app.store.messages(app.current)
+        assert [m.content for m in stored] == ["안녕하세요\nsecond line", "네, 알겠습니다."]
+
+
+async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
+    long = " ".join(["word"] * 200)
+    app, _ = make_app([long, "next"], delay=0.01)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Talk a lot")
+        await pilot.pause(0.3)
+        await pilot.press("escape")
+        await settle(app, pilot)
+        stored = app.store.messages(app.current)
+        assert stored[-1].partial and 0 < len(stored[-1].content) < len(long)
+        assert "(stopped)" in replies(app)[-1]
+        manifest = app.session.kvstore(app.current).manifest()
+        # The cache holds the prompt and exactly the reply tokens that were fed.
+        assert len(manifest.tokens) == app.current.tokens
+        await type_and_send(pilot, "Go on")
+        await settle(app, pilot)
+        assert replies(app)[-1] == "next"
+        assert "cached" in status_text(app)
+
+
+async def test_regenerate_and_edit_reuse_the_cache(make_app):
+    app, _ = make_app(["first answer", "second answer", "regenerated", "after edit"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Hello")
+        await settle(app, pilot)
+        await type_and_send(pilot, "Tell me more")
+        await settle(app, pilot)
+        await pilot.press("ctrl+r")
+        await settle(app, pilot)
+        assert replies(app) == ["first answer", "regenerated"]
+        status = status_text(app)
+        assert "miss: edited" in status and "cached 0 " not in status
+        await pilot.press("ctrl+e")
+        composer = app.query_one(Composer)
+        assert composer.text == "Tell me more"
+        composer.text = "Tell me less"
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert users(app) == ["Hello", "Tell me less"]
+        assert replies(app) == ["first answer", "after edit"]
+        assert [m.content for m in app.store.messages(app.current)] == [
+            "Hello", "first answer", "Tell me less", "after edit"]
+        assert "miss: edited" in status_text(app)
+
+
+async def test_new_switch_rename_and_delete(make_app):
+    app, _ = make_app(["one", "two"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        first = app.current.name
+        await type_and_send(pilot, "in the first")
+        await settle(app, pilot)
+        await pilot.press("ctrl+n")
+        await settle(app, pilot)
+        assert app.current.name != first and users(app) == []
+        await type_and_send(pilot, "in the second")
+        await settle(app, pilot)
+        # Switch back through the sidebar: type into the filter, pick the match.
+        await pilot.click("#filter")
+        await pilot.press(*first)
+        await pilot.pause()
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert app.current.name == first and users(app) == ["in the first"]
+        await pilot.press("f2")
+        await pilot.press("end", *"-renamed", "enter")
+        await settle(app, pilot)
+        assert app.current.name == first + "-renamed"
+        await pilot.press("ctrl+d")
+        await pilot.press("y")
+        await settle(app, pilot)
+        names = [c.name for c in app.store.list()]
+        assert first + "-renamed" not in names and len(names) == 1
+        assert users(app) == ["in the second"]
+
+
+async def test_resume_after_restart_shows_cache_hit(make_app):
+    app, _ = make_app(["Seoul is the capital."])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "서울은 어디예요?")
+        await settle(app, pilot)
+        first_context = app.current.tokens
+    # A new app and session: the cache must come from disk.
+    app2, _ = make_app(["It is in Korea."])
+    async with app2.run_test(size=(120, 40)) as pilot:
+        await settle(app2, pilot)
+        assert users(app2) == ["서울은 어디예요?"]
+        await type_and_send(pilot, "And Busan?")
+        await settle(app2, pilot)
+        status = status_text(app2)
+        assert f"cached {first_context} / prefilled" in status
+        assert "miss:" not in status
+
+
+async def test_unknown_model_is_a_notification_not_a_crash(home):
+    from localchat.errors import ModelNotFound
+
+    def fail(name, progress):
+        raise ModelNotFound("unknown model 'nope'")
+
+    app = LocalchatApp(load_engine=fail)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        assert any("unknown model" in n.message for n in app._notifications)
+        assert "no model" in status_text(app)
+        await pilot.press(*"kept")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.query_one(Composer).text == "kept"
