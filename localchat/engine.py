@@ -64,8 +64,8 @@ class Engine:
         """
         backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
-        from mlx_lm.utils import load_model
         from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from mlx_lm.utils import load_model
 
         try:
             model, config = load_model(ref.path)
@@ -248,6 +248,17 @@ def is_plain_kv(cache) -> bool:
     from mlx_lm.models.cache import KVCache
 
     return type(cache) is KVCache or type(cache) is _half_stored_cache_class()
+
+
+def _quiet_transformers() -> None:
+    """Users cannot act on transformers' warnings (e.g. "sequence length is longer than the
+    specified maximum" — we check the context ourselves), so keep them off the screen."""
+    try:
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+    except ImportError:
+        pass
 
 
 def cache_offset(cache: list) -> int:

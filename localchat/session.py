@@ -22,6 +22,7 @@ from .engine import Engine, cache_offset, now
 from .errors import BadInput, ContextFull, StorageError
 from .kvstore import CacheInvalid, Geometry, KVStore, common_prefix
 from .locks import ConversationLock
+from .prefixes import PrefixPool
 from .store import Conversation, Store
 
 
@@ -179,8 +180,6 @@ class Session:
             lock.release()
 
     def _locked_turn(self, conv, prompt, max_tokens, temp, seed, no_cache, edited, t0):
-        engine = self.engine
-        info = engine.info()
         history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
         if conv.system and not any(m["role"] == "system" for m in history):
             history.insert(0, {"role": "system", "content": conv.system})
@@ -188,14 +187,7 @@ class Session:
             history.append({"role": "user", "content": prompt})
         elif not history or history[-1]["role"] != "user":
             raise BadInput("nothing to answer: the conversation does not end with a user message")
-        tokens = engine.render(history)
-        room = info.context_length - len(tokens)
-        if room < 1:
-            raise ContextFull(
-                f"the conversation is {len(tokens)} tokens; {info.name} holds "
-                f"{info.context_length}: start a new conversation or shorten the message"
-            )
-        max_tokens = min(max_tokens, room)
+        tokens, max_tokens = self._render(history, max_tokens)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
 
@@ -232,11 +224,45 @@ class Session:
                                 run.reply, run.stopped and run.logits_ready, notes)
         for text in notes:
             yield Notice(text)
+        usage = self._usage(tokens, k, run, cache, t0, store.disk_bytes(), written, reason)
+        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
+
+    def complete(self, messages: list[dict], pool: PrefixPool, *, max_tokens: int = 256,
+                 temp: float = 0.0, seed: int | None = None) -> Iterator[Event]:
+        """A turn on messages not stored anywhere (batch lines), reusing pooled prefixes.
+
+        Yields the same events as ``turn``; the finished cache goes back into ``pool``.
+        """
+        t0 = now()
+        self._stop.clear()
+        tokens, max_tokens = self._render(messages, max_tokens)
+        k, cache = pool.take(tokens)
+        run = _Run()
+        yield from self._prefill_and_decode(tokens[k:], cache, max_tokens, temp, seed, run)
+        fed = (tokens + run.generated)[: cache_offset(cache)]
+        pool.put(fed, cache)
+        reason = "" if k else "no shared prefix"
+        usage = self._usage(tokens, k, run, cache, t0, 0, 0, reason)
+        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
+
+    def _render(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+        """Token ids of ``messages`` ready for a reply, and the reply budget that fits."""
+        info = self.engine.info()
+        tokens = self.engine.render(messages)
+        room = info.context_length - len(tokens)
+        if room < 1:
+            raise ContextFull(
+                f"the conversation is {len(tokens)} tokens; {info.name} holds "
+                f"{info.context_length}: start a new conversation or shorten the message"
+            )
+        return tokens, min(max_tokens, room)
+
+    def _usage(self, tokens, k, run: _Run, cache, t0, cache_bytes, written, reason) -> Usage:
         t_end = now()
         n_gen = len(run.generated)
         t_first = run.t_first or t_end
         decode_s = t_end - t_first
-        usage = Usage(
+        return Usage(
             prompt_tokens=len(tokens),
             cached_tokens=k,
             prefilled_tokens=len(tokens) - k,
@@ -245,12 +271,11 @@ class Session:
             prefill_tps=(len(tokens) - k) / run.prefill_s if run.prefill_s > 0 else 0.0,
             decode_tps=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
             context_tokens=cache_offset(cache),
-            context_length=info.context_length,
-            cache_bytes=store.disk_bytes(),
+            context_length=self.engine.info().context_length,
+            cache_bytes=cache_bytes,
             bytes_written=written,
             miss_reason=reason,
         )
-        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def _prefill_and_decode(self, new_tokens, cache, max_tokens, temp, seed, run: _Run):
         """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``stop()``."""

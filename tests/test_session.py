@@ -62,7 +62,8 @@ def test_second_turn_prefills_only_the_new_message(store, engine, session):
     store.db.execute("UPDATE messages SET content = ? WHERE id = ?",
                      ("Seoul.", store.messages(conv)[-1].id))
     third, _ = run(restart(store, engine), conv, "Korea?")
-    new_msg = engine.encode("<|im_end|>\n<|im_start|>user\nKorea?<|im_end|>\n<|im_start|>assistant\n")
+    new_msg = engine.encode(
+        "<|im_end|>\n<|im_start|>user\nKorea?<|im_end|>\n<|im_start|>assistant\n")
     # max_tokens=1: the single reply token was not fed, so it is prefilled with the message.
     assert third.usage.cached_tokens == second.usage.prompt_tokens
     assert third.usage.prefilled_tokens == len(engine.encode("Seoul.")) + len(new_msg)

@@ -1,8 +1,8 @@
 """The chat app driven by real key presses (Textual Pilot), asserting on what is shown."""
 
 import pytest
-
 from fakes import ScriptedEngine
+
 from localchat.tui.app import LocalchatApp
 from localchat.tui.chatview import AssistantMessage, UserMessage
 from localchat.tui.composer import Composer

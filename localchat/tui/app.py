@@ -27,8 +27,16 @@ from ..session import Notice, PrefillProgress, ReplyChunk, Session, TurnFinished
 from ..store import Conversation, Store
 from .chatview import ChatView
 from .composer import Composer
-from .messages import (ModelFailed, ModelLoaded, ModelProgressed, PrefillAdvanced,
-                       ReplyStreamed, TurnFailed, TurnFinishedMsg, TurnNoticed)
+from .messages import (
+    ModelFailed,
+    ModelLoaded,
+    ModelProgressed,
+    PrefillAdvanced,
+    ReplyStreamed,
+    TurnFailed,
+    TurnFinishedMsg,
+    TurnNoticed,
+)
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 from .sidebar import Sidebar
 from .statusbar import StatusBar

@@ -1,0 +1,216 @@
+"""``localchat batch``: many prompts through one engine, JSONL in, JSONL out, in order.
+
+Input lines (one JSON object each): ``{"id", "prompt"}``, ``{"id", "messages": [...]}`` or
+``{"id", "conversation": NAME, "prompt"}``; optional ``"system"`` and ``"max_tokens"``.
+Output: exactly one line per input line, in input order — ``{"id", "reply", "usage"}`` or
+``{"id", "line", "error"}``. Lines that share a prefix (one long system prompt, one document
+with different questions) prefill it once through a ``PrefixPool``; a ``conversation`` line is
+a normal turn of that saved conversation (disk cache, stored messages).
+
+Each result is written and flushed whole, so Ctrl-C leaves OUT as valid JSONL, and
+``--resume`` skips ids already in OUT. Progress (done/total, tok/s, ETA) goes to stderr when it
+is a terminal. Exit status 1 if any line failed.
+
+Decoding is one line at a time (see the README's batch section for why).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BadInput, LocalchatError
+from .prefixes import PrefixPool
+from .session import Notice, Session, TurnFinished
+
+
+@dataclass(frozen=True)
+class Job:
+    line: int
+    id: object
+    messages: list[dict] | None  # an ephemeral prompt
+    conversation: str | None  # or a turn of a saved conversation
+    prompt: str | None
+    max_tokens: int | None
+
+
+def parse_line(text: str, line: int) -> Job:
+    """One input line → a Job. Raises BadInput with the reason."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadInput(f"invalid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(obj, dict):
+        raise BadInput("a line must be a JSON object")
+    job_id = obj.get("id", line)
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise BadInput("max_tokens must be a positive integer")
+    system = obj.get("system")
+    if system is not None and not isinstance(system, str):
+        raise BadInput("system must be a string")
+    if "messages" in obj:
+        msgs = obj["messages"]
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str) for m in msgs)
+        if not ok:
+            raise BadInput("messages must be a list of {role, content} objects")
+        if msgs[-1]["role"] != "user":
+            raise BadInput("the last message must be from the user")
+        if system is not None:
+            msgs = [{"role": "system", "content": system}] + msgs
+        return Job(line, job_id, msgs, None, None, max_tokens)
+    prompt = obj.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadInput("needs a non-empty \"prompt\" (or \"messages\")")
+    if "conversation" in obj:
+        if not isinstance(obj["conversation"], str):
+            raise BadInput("conversation must be a name (string)")
+        return Job(line, job_id, None, obj["conversation"], prompt, max_tokens)
+    msgs = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}]
+    return Job(line, job_id, msgs, None, None, max_tokens)
+
+
+def run_batch(args) -> int:
+    from .cli import open_session, open_store
+
+    lines = _read_lines(args.file)
+    out_path = Path(args.output) if args.output else None
+    done_ids = _done_ids(out_path) if (args.resume and out_path) else set()
+    store = open_store()
+    session = open_session(store, args.model)
+    pool = PrefixPool(session.engine.new_cache)
+    out = open(out_path, "a" if args.resume else "w", encoding="utf-8") if out_path else sys.stdout
+    progress = _Progress(len(lines), enabled=sys.stderr.isatty() and not args.quiet)
+    failed = 0
+    try:
+        for n, text in enumerate(lines, start=1):
+            if not text.strip():
+                progress.step(0)
+                continue
+            result = _run_line(session, store, pool, text, n, args, done_ids)
+            if result is None:  # resumed: already in OUT
+                progress.step(0)
+                continue
+            failed += "error" in result
+            out.write(json.dumps(result, ensure_ascii=False) + "\n")
+            out.flush()
+            progress.step(result.get("usage", {}).get("completion_tokens", 0))
+    except KeyboardInterrupt:
+        progress.clear()
+        print("localchat: batch interrupted; results so far are in the output "
+              "(run again with --resume)", file=sys.stderr)
+        return 130
+    finally:
+        progress.clear()
+        if out is not sys.stdout:
+            out.close()
+    if failed:
+        print(f"localchat: {failed} of {len(lines)} lines failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _run_line(session: Session, store, pool, text, n, args, done_ids) -> dict | None:
+    try:
+        job = parse_line(text, n)
+    except BadInput as err:
+        return {"id": _peek_id(text), "line": n, "error": str(err)}
+    if job.id in done_ids:
+        return None
+    max_tokens = job.max_tokens or args.max_tokens
+    try:
+        if job.conversation is not None:
+            conv = store.get(job.conversation)
+            if conv.model != session.engine.ref.name:
+                raise BadInput(f"conversation {conv.name!r} uses model {conv.model}; "
+                               f"run the batch with -m {conv.model}")
+            events = session.turn(conv, job.prompt, max_tokens=max_tokens, temp=args.temp)
+        else:
+            events = session.complete(job.messages, pool, max_tokens=max_tokens, temp=args.temp)
+        for ev in events:
+            if isinstance(ev, Notice) and not args.quiet:
+                print(f"localchat: line {n}: {ev.text}", file=sys.stderr)
+            elif isinstance(ev, TurnFinished):
+                return {"id": job.id, "reply": ev.reply, "usage": ev.usage.public()}
+    except LocalchatError as err:
+        return {"id": job.id, "line": n, "error": str(err)}
+    return {"id": job.id, "line": n, "error": "no reply"}
+
+
+_ID = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
+
+
+def _peek_id(text: str):
+    """The id of a line that failed to parse, if one can still be read from it."""
+    try:
+        obj = json.loads(text)
+        return obj.get("id") if isinstance(obj, dict) else None
+    except json.JSONDecodeError:
+        found = _ID.search(text)
+        return json.loads(found.group(1)) if found else None
+
+
+def _read_lines(file: str) -> list[str]:
+    try:
+        data = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
+    except OSError as err:
+        raise BadInput(f"cannot read {file}: {err.strerror}") from None
+    try:
+        return data.decode("utf-8").splitlines()
+    except UnicodeDecodeError as err:
+        raise BadInput(f"{file} is not valid UTF-8 (byte {err.start})") from None
+
+
+def _done_ids(path: Path) -> set:
+    """Ids with a result line in an earlier, perhaps interrupted, output file.
+
+    A torn last line (a kill mid-write) is cut off so that appending keeps the file JSONL.
+    """
+    ids = set()
+    try:
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+        for text in path.read_text(encoding="utf-8").splitlines():
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError:
+                continue  # a torn last line from a kill; that id runs again
+            if isinstance(obj, dict) and "reply" in obj:
+                ids.add(obj.get("id"))
+    except FileNotFoundError:
+        pass
+    return ids
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled = total, enabled
+        self.done = self.tokens = 0
+        self.t0 = time.perf_counter()
+
+    def step(self, tokens: int) -> None:
+        self.done += 1
+        self.tokens += tokens
+        if not self.enabled:
+            return
+        dt = time.perf_counter() - self.t0
+        rate = self.tokens / dt if dt else 0.0
+        eta = dt / self.done * (self.total - self.done) if self.done else 0.0
+        width = 24
+        filled = width * self.done // max(self.total, 1)
+        sys.stderr.write(f"\r\x1b[2K[{'#' * filled}{'.' * (width - filled)}] "
+                         f"{self.done}/{self.total} · {rate:.1f} tok/s · ETA {eta:.0f}s")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[2K")
+            sys.stderr.flush()
