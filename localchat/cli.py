@@ -109,7 +109,8 @@ def open_session(store, model: str | None):
     from .session import Session
 
     engine = Engine.load(model, progress=say)
-    return Session(store, engine, paths.kv_root(), paths.locks_dir())
+    timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
+    return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout=timeout)
 
 
 def read_prompt(arg: str | None) -> str:

@@ -73,6 +73,7 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
+        _quiet_transformers()  # again: loading can reset transformers' logging level
         backend.tune(model)
         return cls(model, tokenizer, ref, config)
 
@@ -128,7 +129,8 @@ class Engine:
         return self.encode(text)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        # verbose=False: no "longer than the maximum" warning; we check the context ourselves.
+        return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text)) if text else 0

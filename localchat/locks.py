@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ConversationBusy, StorageError
@@ -22,15 +21,29 @@ except ImportError:  # Windows: no advisory locks; turns are not serialised ther
 
 
 class ConversationLock:
-    def __init__(self, path: Path, name: str, timeout: float = 60.0,
-                 on_wait: Callable[[str], None] | None = None):
+    def __init__(self, path: Path, name: str, timeout: float = 60.0):
         self.path = path
         self.name = name
         self.timeout = timeout
-        self.on_wait = on_wait
         self._fd: int | None = None
 
+    @property
+    def waiting_message(self) -> str:
+        return f"waiting for another localchat using {self.name!r}"
+
+    def try_acquire(self) -> bool:
+        """Take the lock if it is free right now."""
+        saved, self.timeout = self.timeout, 0.0
+        try:
+            self.acquire()
+            return True
+        except ConversationBusy:
+            return False
+        finally:
+            self.timeout = saved
+
     def acquire(self) -> None:
+        """Take the lock, waiting up to ``timeout`` seconds. Raises ConversationBusy."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -40,7 +53,6 @@ class ConversationLock:
             self._fd = fd
             return
         deadline = time.monotonic() + self.timeout
-        told = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -52,9 +64,6 @@ class ConversationLock:
                     raise ConversationBusy(
                         f"conversation {self.name!r} is in use by another localchat process"
                     ) from None
-                if not told and self.on_wait:
-                    self.on_wait(f"waiting for another localchat using {self.name!r}")
-                    told = True
                 time.sleep(0.05)
 
     def release(self) -> None:

@@ -167,13 +167,12 @@ class Session:
             raise BadInput("empty prompt")
         t0 = now()
         self._stop.clear()
-        notices: list[str] = []
         lock = ConversationLock(self.locks_dir / f"{conv.id}.lock", conv.name,
-                                self.lock_timeout, on_wait=notices.append)
-        lock.acquire()
+                                self.lock_timeout)
+        if not lock.try_acquire():
+            yield Notice(lock.waiting_message)
+            lock.acquire()
         try:
-            for text in notices:
-                yield Notice(text)
             yield from self._locked_turn(conv, prompt, max_tokens, temp, seed, no_cache,
                                          edited, t0)
         finally:

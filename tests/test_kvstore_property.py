@@ -1,0 +1,96 @@
+"""Property test: random appends, trims, reloads and corruptions of a KVStore behave like an
+in-memory reference (a list of tokens with their K/V rows)."""
+
+import zlib
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+from localchat.kvstore import CacheInvalid, Geometry, KVStore, common_prefix
+
+GEOM = Geometry("test-fingerprint", layers=2, kv_heads=1, head_dim=4, dtype="float16")
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("append"), st.integers(1, 9)),
+    st.tuples(st.just("trim"), st.integers(0, 40)),
+    st.tuples(st.just("reload"), st.just(0)),
+    st.tuples(st.just("corrupt"), st.integers(0, 10_000)),
+), min_size=1, max_size=25)
+
+
+def cache_from(rows: list[np.ndarray]) -> list:
+    """A cache whose positions hold ``rows`` (each [2 (k/v), layers, heads, dim])."""
+    cache = [KVCache() for _ in range(GEOM.layers)]
+    if rows:
+        arr = np.stack(rows)  # [n, 2, L, H, D]
+        for layer, c in enumerate(cache):
+            k = mx.array(arr[:, 0, layer].transpose(1, 0, 2)[None]).astype(mx.float16)
+            v = mx.array(arr[:, 1, layer].transpose(1, 0, 2)[None]).astype(mx.float16)
+            c.state = (k, v, len(rows))
+    return cache
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops, seed=st.integers(0, 2**31 - 1))
+def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
+    rng = np.random.default_rng(seed)
+    folder = tmp_path_factory.mktemp("kv")
+    store = KVStore(folder)
+    tokens: list[int] = []  # the reference
+    rows: list[np.ndarray] = []
+    for op, arg in ops:
+        if op == "append":
+            new = rng.integers(0, 50, arg).tolist()
+            tokens += new
+            rows += [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)
+                     for _ in new]
+            store.commit(GEOM, tokens, cache_from(rows))
+        elif op == "trim":
+            k = min(arg, len(tokens))
+            # An edit: keep k tokens, then a different token continues the list.
+            tokens = tokens[:k] + [99]
+            rows = rows[:k] + [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)]
+            old = store.manifest()
+            before = {s.file: (folder / s.file).read_bytes() for s in old.segments} if old \
+                else {}
+            store.commit(GEOM, tokens, cache_from(rows))
+            # Segments wholly inside the kept prefix are untouched, byte for byte.
+            if old:
+                kept = common_prefix(old.tokens, tokens)
+                for s in old.segments:
+                    if s.end <= kept:
+                        assert (folder / s.file).read_bytes() == before[s.file]
+        elif op == "reload":
+            loaded = KVStore(folder).load(GEOM)
+            if not tokens:
+                assert loaded is None or loaded[0] == []
+                continue
+            got_tokens, layers = loaded
+            assert got_tokens == tokens
+            ref = cache_from(rows)
+            for (k, v), c in zip(layers, ref):
+                assert mx.array_equal(k, c.state[0]) and mx.array_equal(v, c.state[1])
+        elif op == "corrupt" and tokens:
+            segs = store.manifest().segments
+            seg = segs[arg % len(segs)]
+            path = folder / seg.file
+            data = bytearray(path.read_bytes())
+            data[arg % len(data)] ^= 0x01
+            path.write_bytes(bytes(data))
+            assert zlib.crc32(bytes(data)) != seg.crc32
+            try:
+                KVStore(folder).load(GEOM)
+                raise AssertionError("a flipped bit must not load")
+            except CacheInvalid:
+                pass
+            # The session's answer to damage: forget the cache, rebuild from nothing.
+            store.clear()
+            tokens, rows = [], []
+        disk = sum(s.nbytes for s in (store.manifest().segments if store.manifest() else []))
+        per_token = 2 * GEOM.layers * GEOM.kv_heads * GEOM.head_dim * 2
+        assert disk <= 1.05 * len(tokens) * per_token + 400 * len(
+            store.manifest().segments if store.manifest() else [])

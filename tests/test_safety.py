@@ -1,0 +1,233 @@
+"""Data safety: killed processes, damaged caches, two processes, a full disk, bad input.
+
+Each case checks that every completed message is kept and that the next turn either resumes a
+consistent cache (same greedy tokens as a full prefill) or rebuilds it with a one-line notice.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from localchat import paths
+from localchat.kvstore import MANIFEST
+from localchat.locks import ConversationLock
+from localchat.session import Notice, Session, TurnFinished
+
+HELPER = str(Path(__file__).parent / "crash_helper.py")
+
+
+def ask_args(model, conv, prompt, *extra):
+    return ["ask", "-m", str(model), "-c", conv, "--max-tokens", "12", *extra, prompt]
+
+
+def cli(home, *args, mode=None, timeout=60, **kw):
+    env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    env.update(kw.pop("env", {}))
+    cmd = [sys.executable, HELPER, mode, "--", *args] if mode else \
+        [sys.executable, "-m", "localchat", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def messages(store, name):
+    return [(m.role, m.content, m.partial) for m in store.messages(store.get(name))]
+
+
+def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
+    """Run the next turn from disk, and the same turn with no cache on a copy: same tokens."""
+    conv = store.get(name)
+    before = store.messages(conv)
+    fresh = Session(store, engine, paths.kv_root(), paths.locks_dir())
+    events = list(fresh.turn(conv, prompt, max_tokens=12))
+    resumed = [e for e in events if isinstance(e, TurnFinished)][0]
+    notices = [e.text for e in events if isinstance(e, Notice)]
+    ref = store.create(f"{name}-ref", conv.model, conv.system)
+    for m in before:
+        store.add_message(ref, m.role, m.content, m.partial)
+    ref_events = Session(store, engine, paths.kv_root(), paths.locks_dir()).turn(
+        ref, prompt, max_tokens=12, no_cache=True)
+    reference = [e for e in ref_events if isinstance(e, TurnFinished)][0]
+    assert resumed.tokens == reference.tokens
+    return resumed, notices
+
+
+@pytest.mark.parametrize("mode, reply_kept", [
+    ("kill-prefill", False), ("kill-decode", False), ("kill-segment", False),
+    ("kill-manifest", False), ("kill-reply", False),
+])
+def test_sigkill_keeps_messages_and_a_consistent_cache(home, tiny_model, store, engine,
+                                                       mode, reply_kept):
+    ok = cli(home, *ask_args(tiny_model, "k", "Hello"))
+    assert ok.returncode == 0, ok.stderr
+    first = messages(store, "k")
+    killed = cli(home, *ask_args(tiny_model, "k", "Second question"), mode=mode)
+    assert killed.returncode == -signal.SIGKILL
+    after = messages(store, "k")
+    # Every completed message is there, and the new prompt was saved before any model work.
+    assert after[: len(first)] == first
+    assert after[len(first)] == ("user", "Second question", False)
+    assert len(after) == len(first) + 1
+    resumed, notices = next_turn_matches_full_prefill(store, engine, "k")
+    assert resumed.usage.cached_tokens > 0 or notices
+    # No temp files or orphan segments survive the next commit.
+    folder = paths.kv_root() / str(store.get("k").id)
+    man = json.loads((folder / MANIFEST).read_text())
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [MANIFEST] + [s["file"] for s in man["segments"]])
+
+
+def _truncate(folder):
+    seg = sorted(folder.glob("seg-*"))[-1]
+    seg.write_bytes(seg.read_bytes()[:-100])
+
+
+def _flip(folder):
+    seg = sorted(folder.glob("seg-*"))[0]
+    data = bytearray(seg.read_bytes())
+    data[-5] ^= 0x55
+    seg.write_bytes(bytes(data))
+
+
+def _missing(folder):
+    sorted(folder.glob("seg-*"))[0].unlink()
+
+
+def _foreign(folder):
+    man = json.loads((folder / MANIFEST).read_text())
+    man["fingerprint"] = "f" * 32 + "-float16-kv0"
+    (folder / MANIFEST).write_text(json.dumps(man))
+
+
+def _future(folder):
+    man = json.loads((folder / MANIFEST).read_text())
+    man["version"] = 99
+    (folder / MANIFEST).write_text(json.dumps(man))
+
+
+def _garbage_manifest(folder):
+    (folder / MANIFEST).write_bytes(b"\x00\xffnot json")
+
+
+def _half_written(folder):
+    (folder / MANIFEST).unlink()
+    (folder / ".tmp-seg-000009.safetensors").write_bytes(b"partial")
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (_truncate, "damaged"), (_flip, "damaged"), (_missing, "missing"),
+    (_foreign, "model changed"), (_future, "version 99"), (_garbage_manifest, "manifest"),
+    (_half_written, "no cache on disk"),
+])
+def test_damaged_cache_rebuilds_with_the_same_reply(home, tiny_model, store, engine, damage,
+                                                    reason, capsys):
+    for prompt in ("Hello", "Tell me more"):
+        assert cli(home, *ask_args(tiny_model, "d", prompt)).returncode == 0
+    kept = messages(store, "d")
+    damage(paths.kv_root() / str(store.get("d").id))
+    run = cli(home, *ask_args(tiny_model, "d", "What now?", "--json"))
+    assert run.returncode == 0
+    warning = [line for line in run.stderr.splitlines() if line]
+    assert len(warning) == 1 and "cache rebuilt" in warning[0] and reason in warning[0]
+    assert json.loads(run.stdout)["usage"]["cached_tokens"] == 0
+    assert messages(store, "d")[: len(kept)] == kept
+    # Same reply as --no-cache on the same conversation state.
+    shutil.copy(paths.database_path(), paths.database_path().with_suffix(".bak"))
+    store.delete_messages_from(store.get("d"), len(kept) + 1)
+    ref = cli(home, *ask_args(tiny_model, "d", "What now?", "--json", "--no-cache"))
+    assert json.loads(ref.stdout)["reply"] == json.loads(run.stdout)["reply"]
+
+
+def test_second_process_waits_then_fails_clearly(home, tiny_model, store):
+    assert cli(home, *ask_args(tiny_model, "busy", "Hello")).returncode == 0
+    conv = store.get("busy")
+    with ConversationLock(paths.locks_dir() / f"{conv.id}.lock", "busy"):
+        run = cli(home, *ask_args(tiny_model, "busy", "Me too"),
+                  env={"LOCALCHAT_LOCK_TIMEOUT": "1"})
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert "waiting for another localchat using 'busy'" in lines[0]
+    assert lines[-1] == "localchat: error: conversation 'busy' is in use by another " \
+                        "localchat process"
+    assert [m[1] for m in messages(store, "busy")][-1] != "Me too"  # nothing half-added
+
+
+def test_two_asks_at_once_both_land_in_order(home, tiny_model, store):
+    assert cli(home, *ask_args(tiny_model, "two", "Hello")).returncode == 0
+    env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    procs = [subprocess.Popen([sys.executable, "-m", "localchat",
+                               *ask_args(tiny_model, "two", f"question {i}")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for i in range(2)]
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    roles = [m[0] for m in messages(store, "two")]
+    assert roles == ["user", "assistant"] * 3  # whole turns, never interleaved
+
+
+def test_disk_full_keeps_the_text_and_rebuilds_later(home, store, engine, monkeypatch):
+    from localchat import kvstore
+
+    session = Session(store, engine, paths.kv_root(), paths.locks_dir())
+    conv = store.create("full", engine.ref.name)
+    list(session.turn(conv, "Hello", max_tokens=8))
+
+    def no_space(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kvstore.KVStore, "_write_segment", no_space)
+        events = list(session.turn(conv, "Second", max_tokens=8))
+    notes = [e.text for e in events if isinstance(e, Notice)]
+    assert notes == ["cache not saved (No space left on device); it will be rebuilt"]
+    done = [e for e in events if isinstance(e, TurnFinished)][0]
+    assert [m.content for m in store.messages(conv)][-2:] == ["Second", done.reply]
+    # The older manifest still describes valid segments: the next turn resumes from them.
+    resumed, notices = next_turn_matches_full_prefill(store, engine, "full")
+    assert notices == [] and resumed.usage.cached_tokens > 0
+
+
+def test_context_full_is_refused_before_anything_is_stored(home, tiny_model, store):
+    assert cli(home, *ask_args(tiny_model, "ctx", "Hello")).returncode == 0
+    before = messages(store, "ctx")
+    run = cli(home, *ask_args(tiny_model, "ctx", "word " * 3000))
+    assert run.returncode == 1
+    assert run.stderr.count("\n") == 1 and "holds 1024" in run.stderr
+    assert messages(store, "ctx") == before
+
+
+def test_invalid_utf8_on_stdin_and_unwritable_home(home, tiny_model, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "localchat", "ask", "-m", str(tiny_model), "-"],
+                       input=b"\xff\xfe bad", capture_output=True,
+                       env={**os.environ, "LOCALCHAT_HOME": str(home)}, timeout=60)
+    assert p.returncode == 2 and p.stderr.decode().strip() == \
+        "localchat: error: stdin is not valid UTF-8 (byte 0)"
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    p = cli(blocker / "home", "list")
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    assert p.stderr.startswith("localchat: error: cannot open the database")
+
+
+def test_ctrl_c_mid_reply_saves_the_partial_reply(home, tiny_model, store, engine):
+    assert cli(home, *ask_args(tiny_model, "int", "Hello")).returncode == 0
+    env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    proc = subprocess.Popen(
+        [sys.executable, HELPER, "slow-decode", "--", "ask", "-m", str(tiny_model), "-c", "int",
+         "--max-tokens", "200", "Talk for a while"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(4)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert b"stopped; the partial reply is saved" in err
+    last = messages(store, "int")[-1]
+    assert last[0] == "assistant" and last[2] is True and last[1]
+    conv = store.get("int")
+    man = json.loads((paths.kv_root() / str(conv.id) / MANIFEST).read_text())
+    assert len(man["tokens"]) == conv.tokens
+    next_turn_matches_full_prefill(store, engine, "int")
