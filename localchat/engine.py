@@ -21,6 +21,7 @@ from pathlib import Path
 from . import backend
 from .errors import ModelBroken
 from .models import ModelRef, fingerprint, resolve
+from .paths import data_home
 
 PREFILL_CHUNK = 512
 
@@ -74,8 +75,10 @@ class Engine:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
-        backend.tune(model)
-        return cls(model, tokenizer, ref, config)
+        engine = cls(model, tokenizer, ref, config)
+        weights_cache = data_home() / "cpu-weights" / f"{fingerprint(ref.path)[:32]}.safetensors"
+        backend.tune(model, weights_cache)
+        return engine
 
     # -- facts about the model -------------------------------------------------------------
 
