@@ -51,9 +51,14 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             store.commit(GEOM, tokens, cache_from(rows))
         elif op == "trim":
             k = min(arg, len(tokens))
-            # An edit: keep k tokens, then a different token continues the list.
-            tokens = tokens[:k] + [99]
-            rows = rows[:k] + [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)]
+            # An edit: keep k tokens, then token 99 continues the list. With causal attention
+            # the same tokens at the same positions have the same K/V, so rows up to the common
+            # prefix stay; only later positions get new K/V.
+            new_tokens = tokens[:k] + [99]
+            same = common_prefix(tokens, new_tokens)
+            rows = rows[:same] + [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)
+                                  for _ in new_tokens[same:]]
+            tokens = new_tokens
             old = store.manifest()
             before = {s.file: (folder / s.file).read_bytes() for s in old.segments} if old \
                 else {}
