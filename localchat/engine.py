@@ -164,10 +164,10 @@ class Engine:
 
         return make_prompt_cache(self.model)
 
-    def to_compute(self, array):
-        """A stored K/V array in the dtype the model computes with."""
+    def compute_dtype(self):
+        """The dtype the model's K/V come out in (float32 on the CPU path)."""
         self.info()
-        return array.astype(self._compute_dtype)
+        return self._compute_dtype
 
     def prefill(self, tokens: list[int], cache: list, chunk: int = PREFILL_CHUNK):
         """Feed ``tokens`` (at least one) into ``cache``.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +125,14 @@ class KVStore:
             raise CacheInvalid(f"unreadable manifest ({err})") from None
         return Manifest.from_json(text)
 
-    def load(self, geometry: Geometry) -> tuple[list[int], list] | None:
-        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n, head_dim], in the
-        stored dtype (``geometry.dtype``).
+    def load(self, geometry: Geometry, dtype=None, headroom: int = 0
+             ) -> tuple[list[int], list] | None:
+        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n + headroom, head_dim].
 
+        Args:
+            dtype: the dtype to return (default: the stored one, ``geometry.dtype``).
+            headroom: zero positions appended after the n stored ones, so that a KVCache can
+                take the next tokens without reallocating (a copy of the whole cache).
         Returns None when no cache exists. Raises ``CacheInvalid`` on any mismatch or damage.
         """
         import mlx.core as mx
@@ -142,7 +147,6 @@ class KVStore:
         if not man.segments:
             return [], []
         keys, values = [], []
-        dtype_name = f"mlx.core.{geometry.dtype}"
         for seg in man.segments:
             path = self.folder / seg.file
             try:
@@ -151,19 +155,36 @@ class KVStore:
                 raise CacheInvalid(f"segment {seg.file} missing") from None
             if len(data) != seg.nbytes or zlib.crc32(data) != seg.crc32:
                 raise CacheInvalid(f"segment {seg.file} damaged (checksum)")
-            try:
-                arrays = mx.load(str(path))
-                k, v = arrays["keys"], arrays["values"]
-            except Exception:  # noqa: BLE001 - mx.load raises bare RuntimeError/ValueError
-                raise CacheInvalid(f"segment {seg.file} unreadable") from None
             want = (geometry.layers, geometry.kv_heads, seg.end - seg.start, geometry.head_dim)
-            if tuple(k.shape) != want or tuple(v.shape) != want or str(k.dtype) != dtype_name:
-                raise CacheInvalid(f"segment {seg.file} has the wrong shape")
+            k, v = _read_segment(data, geometry.dtype, want, seg.file)
             keys.append(k)
             values.append(v)
-        k_all = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
-        v_all = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
-        layers = [(k_all[i][None], v_all[i][None]) for i in range(geometry.layers)]
+        # One buffer per layer, filled segment by segment and cast on the way (numpy's
+        # float16 -> float32 is vectorised), with zero headroom: one pass over the data, and
+        # each layer's buffer is owned by its KVCache alone, so appends update it in place.
+        import numpy as np
+
+        n = len(man.tokens)
+        target = str(dtype or geometry.dtype).replace("mlx.core.", "")
+        cast_in_numpy = "bfloat16" not in (target, geometry.dtype)
+        out_dtype = np.dtype(target) if cast_in_numpy else keys[0].dtype
+        shape = (geometry.kv_heads, n + headroom, geometry.head_dim)
+        layers = []
+        for i in range(geometry.layers):
+            pair = []
+            for parts in (keys, values):
+                buf = np.empty(shape, out_dtype)
+                pos = 0
+                for part in parts:
+                    m = part.shape[2]
+                    buf[:, pos : pos + m] = part[i]
+                    pos += m
+                buf[:, pos:] = 0
+                arr = mx.array(buf)
+                if not cast_in_numpy:
+                    arr = arr.view(getattr(mx, geometry.dtype)).astype(getattr(mx, target))
+                pair.append(arr[None])
+            layers.append(tuple(pair))
         mx.eval(layers)
         return man.tokens, layers
 
@@ -252,6 +273,37 @@ class KVStore:
                     f.unlink()
                 except OSError:
                     pass  # a stray we cannot delete costs disk, not correctness
+
+
+# safetensors dtype -> (our dtype name, numpy dtype to read it as). numpy has no bfloat16:
+# its bits are read as uint16 and viewed as bfloat16 once in MLX.
+_ST_DTYPES = {"F16": ("float16", "float16"), "F32": ("float32", "float32"),
+              "BF16": ("bfloat16", "uint16")}
+
+
+def _read_segment(data: bytes, dtype: str, shape: tuple, name: str):
+    """(keys, values) as numpy views of a safetensors segment's bytes, checked against
+    ``dtype`` and ``shape``. Parsing ourselves avoids reading the file a second time."""
+    import numpy as np
+
+    try:
+        (hlen,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + hlen])
+        out = []
+        for key in ("keys", "values"):
+            meta = header[key]
+            ours, np_dtype = _ST_DTYPES.get(meta["dtype"], (None, None))
+            if ours != dtype or tuple(meta["shape"]) != shape:
+                raise CacheInvalid(f"segment {name} has the wrong shape or dtype")
+            start, end = meta["data_offsets"]
+            arr = np.frombuffer(data, dtype=np_dtype, count=(end - start) // np.dtype(
+                np_dtype).itemsize, offset=8 + hlen + start)
+            out.append(arr.reshape(shape))
+        return out[0], out[1]
+    except CacheInvalid:
+        raise
+    except (ValueError, KeyError, TypeError, struct.error):
+        raise CacheInvalid(f"segment {name} unreadable") from None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -332,7 +332,7 @@ class Session:
                 return live.tokens, live.cache, ""
         self._live = None
         try:
-            loaded = store.load(geometry)
+            loaded = store.load(geometry, engine.compute_dtype(), headroom=256)
         except CacheInvalid as err:
             store.clear()
             return [], engine.new_cache(), f"cache rebuilt: {err}"
@@ -345,7 +345,7 @@ class Session:
         tokens, layers = loaded
         cache = engine.new_cache()
         for c, (keys, values) in zip(cache, layers):
-            c.state = (engine.to_compute(keys), engine.to_compute(values), keys.shape[2])
+            c.state = (keys, values, len(tokens))
         return tokens, cache, ""
 
     def _persist(self, conv, store: KVStore, geometry, fed_candidates: list[int], cache,

@@ -99,3 +99,25 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
         per_token = 2 * GEOM.layers * GEOM.kv_heads * GEOM.head_dim * 2
         assert disk <= 1.05 * len(tokens) * per_token + 400 * len(
             store.manifest().segments if store.manifest() else [])
+
+
+def test_bfloat16_and_float32_segments_round_trip(tmp_path):
+    """Metal/CUDA models usually cache bfloat16, which numpy cannot hold: bits go through."""
+    for dtype in ("bfloat16", "float32"):
+        geom = Geometry("fp", layers=2, kv_heads=1, head_dim=4, dtype=dtype)
+        cache = [KVCache() for _ in range(2)]
+        for c in cache:
+            k = mx.random.normal((1, 1, 5, 4)).astype(getattr(mx, dtype))
+            c.state = (k, k * 2, 5)
+        store = KVStore(tmp_path / dtype)
+        store.commit(geom, [1, 2, 3, 4, 5], cache)
+        tokens, layers = store.load(geom, headroom=3)
+        assert tokens == [1, 2, 3, 4, 5]
+        for (k, v), c in zip(layers, cache):
+            assert k.dtype == getattr(mx, dtype) and k.shape == (1, 1, 8, 4)
+            assert mx.array_equal(k[..., :5, :], c.state[0])
+            assert mx.array_equal(v[..., :5, :], c.state[1])
+            assert not mx.any(k[..., 5:, :]).item()
+        _, as_f32 = store.load(geom, dtype=mx.float32)
+        assert as_f32[0][0].dtype == mx.float32
+        assert mx.array_equal(as_f32[0][0], cache[0].state[0].astype(mx.float32))

@@ -1,0 +1,159 @@
+"""Resume benchmark: time to first token of a new turn after a restart, and the disk it costs.
+
+For each history length, on the default model (or -m MODEL), side by side in one run:
+- localchat resumed: a new Session (nothing in memory) answers a new message; the cache comes
+  from the conversation's segments on disk, only the new message is prefilled;
+- full prefill: the same conversation state answered with no cache at all;
+- mlx-lm route: ``load_prompt_cache`` of a ``save_prompt_cache`` file of the same cache, then
+  the new message prefilled (what an mlx-lm user would do by hand).
+Disk: bytes per token of our segments vs theory (2 x layers x kv_heads x head_dim x bytes) and
+vs mlx-lm's file; bytes one turn writes vs the K/V of its new positions.
+
+Usage: python scripts/bench_resume.py [--quick] [-m MODEL] [--lengths 256,1024,...]
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import benchlib  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="256 and 1k only, 1 trial (~1 min)")
+    ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--lengths", default=None)
+    ap.add_argument("--trials", type=int, default=None)
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
+        [256, 1024] if args.quick else [256, 1024, 2048, 4096])
+    trials = args.trials or (1 if args.quick else 3)
+
+    benchlib.scratch_home()
+    from localchat import backend, paths
+
+    backend.prepare()
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    from localchat.engine import Engine
+    from localchat.kvstore import common_prefix
+    from localchat.session import Session, TurnFinished
+    from localchat.store import Store
+
+    engine = Engine.load(args.model)
+    info = engine.info()
+    store = Store.open(paths.database_path())
+
+    def session() -> Session:  # a fresh one per run: nothing of the cache left in memory
+        return Session(store, engine, paths.kv_root(), paths.locks_dir())
+
+    def turn(sess, conv, prompt, **kw):
+        for ev in sess.turn(conv, prompt, max_tokens=1, **kw):
+            if isinstance(ev, TurnFinished):
+                return ev.usage
+        raise RuntimeError("no reply")
+
+    def reset(conv, n_messages):
+        store.delete_messages_from(conv, n_messages + 1)
+
+    # Warm-up: compile paths, page in weights.
+    warm = store.create("warm", engine.ref.name)
+    turn(session(), warm, "Hello")
+    turn(session(), warm, "Hello again")
+
+    rows, results = [], []
+    for length in lengths:
+        msgs = benchlib.filler_messages(engine, length)
+        conv = store.create(f"h{length}", engine.ref.name)
+        ref = store.create(f"h{length}-full", engine.ref.name)
+        for c in (conv, ref):
+            for m in msgs:
+                store.add_message(c, m["role"], m["content"])
+        turn(session(), conv, "Thanks.")  # builds the cache of the history on disk
+        base = len(store.messages(conv))
+        resumed, full, mlxlm = [], [], []
+        written = new_positions = 0
+        for i in range(trials):
+            # A different question each trial, so the cache left by the last trial (history +
+            # that question) is only a hit up to the history.
+            new = f"Question {i}: what should I pack for the trip?"
+            u = turn(session(), conv, new)
+            resumed.append(u.ttft_s)
+            if i == 0:
+                written, new_positions = u.bytes_written, u.context_tokens - u.cached_tokens
+            reset(conv, base)
+            full.append(turn(session(), ref, new, no_cache=True).ttft_s)
+            reset(ref, len(msgs))
+        new = "Question: what should I pack for the trip?"
+        # mlx-lm's own route on the same history cache.
+        sess = session()
+        man = sess.kvstore(conv).manifest()
+        _, layers = sess.kvstore(conv).load(sess.geometry(), engine.compute_dtype())
+        rendered = engine.render([{"role": m.role, "content": m.content}
+                                  for m in store.messages(conv)] +
+                                 [{"role": "user", "content": new}])
+        k = min(common_prefix(man.tokens, rendered), len(rendered) - 1)
+        cache = engine._plain_cache()  # mlx-lm's own KVCache, as an mlx-lm user has it
+        for c, (keys, values) in zip(cache, layers):
+            c.state = (keys[..., :k, :], values[..., :k, :], k)
+        mlx_file = Path(paths.data_home()) / f"mlxlm-{length}.safetensors"
+        save_prompt_cache(str(mlx_file), cache)
+        suffix = rendered[k:]
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            loaded = load_prompt_cache(str(mlx_file))
+            logits = None
+            gen = engine.prefill(suffix, loaded)
+            while True:
+                try:
+                    next(gen)
+                except StopIteration as fin:
+                    logits = fin.value
+                    break
+            int(mx.argmax(logits, axis=-1).item())
+            mlxlm.append(time.perf_counter() - t0)
+        ours = sess.kvstore(conv).disk_bytes()
+        theory = info.kv_bytes_per_token * len(man.tokens)
+        mlx_per_token = mlx_file.stat().st_size / k
+        r = {
+            "history_tokens": len(man.tokens),
+            "resumed_ttft_s": benchlib.median(resumed),
+            "full_prefill_ttft_s": benchlib.median(full),
+            "mlxlm_load_ttft_s": benchlib.median(mlxlm),
+            "speedup_vs_full": benchlib.median(full) / benchlib.median(resumed),
+            "disk_bytes_per_token": ours / len(man.tokens),
+            "disk_vs_theory": ours / theory,
+            "mlxlm_file_vs_ours": mlx_per_token / (ours / len(man.tokens)),
+            "turn_bytes_written": written,
+            "turn_written_vs_new_kv": written / max(1, new_positions * info.kv_bytes_per_token),
+        }
+        results.append(r)
+        rows.append([r["history_tokens"], r["resumed_ttft_s"], r["full_prefill_ttft_s"],
+                     r["mlxlm_load_ttft_s"], f"{r['speedup_vs_full']:.1f}x",
+                     f"{r['disk_bytes_per_token']:,.0f}", f"{r['disk_vs_theory']:.3f}",
+                     f"{r['mlxlm_file_vs_ours']:.2f}", f"{r['turn_written_vs_new_kv']:.3f}"])
+    print(f"# resume benchmark · {info.name} · kv {info.kv_dtype} "
+          f"{info.kv_bytes_per_token:,} B/token (theory) · {benchlib.machine()} · "
+          f"trials {trials} (median)")
+    benchlib.print_table(
+        ["history", "resumed TTFT s", "full prefill TTFT s", "mlx-lm load TTFT s",
+         "resumed vs full", "disk B/token", "disk/theory", "mlx-lm file/ours",
+         "turn written/new KV"], rows)
+    first, last = results[0], results[-1]
+    benchlib.print_json({
+        "bench": "resume", "model": info.name, "machine": benchlib.machine(),
+        "results": results,
+        "flatness_last_vs_first": last["resumed_ttft_s"] / first["resumed_ttft_s"],
+    })
+
+
+if __name__ == "__main__":
+    main()
