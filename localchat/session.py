@@ -111,6 +111,7 @@ class _Run:
     logits_ready: bool = False
     prefill_s: float = 0.0
     t_first: float | None = None
+    t_last: float | None = None  # when the last token came (decode speed ends there)
 
 
 class Session:
@@ -260,7 +261,7 @@ class Session:
         t_end = now()
         n_gen = len(run.generated)
         t_first = run.t_first or t_end
-        decode_s = t_end - t_first
+        decode_s = (run.t_last or t_end) - t_first
         return Usage(
             prompt_tokens=len(tokens),
             cached_tokens=k,
@@ -300,6 +301,7 @@ class Session:
             if run.t_first is None:
                 run.t_first = now()
             run.generated.append(tok)
+            run.t_last = now()
             if tok in engine.eos_ids:
                 break
             detok.add_token(tok)

@@ -185,3 +185,15 @@ async def test_unknown_model_is_a_notification_not_a_crash(home):
         await pilot.press("enter")
         await pilot.pause()
         assert app.query_one(Composer).text == "kept"
+
+
+def test_help_screen_snapshot(make_app, snap_compare):
+    """The help screen, pixel for pixel (Textual pinned to 8.x in pyproject)."""
+    app, _ = make_app()
+
+    async def ready(pilot):
+        await settle(app, pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app, run_before=ready, terminal_size=(100, 34))
