@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true",
                    help="skip ids already present in OUT.jsonl")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    b.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="decode up to N prompt lines together (faster; greedy replies may "
+                        "differ from one-at-a-time in rare tokens)")
 
     ls = add("list", cmd_list)
     ls.add_argument("--json", action="store_true")

@@ -19,13 +19,18 @@ class PrefixPool:
         self.capacity = capacity
         self._entries: list[tuple[list[int], list]] = []  # most recently used last
 
-    def take(self, tokens: list[int]) -> tuple[int, list]:
-        """(k, cache) with the cache holding ``tokens[:k]``, ``k <= len(tokens) - 1``."""
+    def peek(self, tokens: list[int]) -> tuple[int, int]:
+        """(k, index) of the pooled cache sharing the longest prefix with ``tokens``."""
         best_i, best_k = -1, 0
         for i, (cached, _) in enumerate(self._entries):
             k = min(common_prefix(cached, tokens), len(tokens) - 1)
             if k > best_k:
                 best_i, best_k = i, k
+        return best_k, best_i
+
+    def take(self, tokens: list[int]) -> tuple[int, list]:
+        """(k, cache) with the cache holding ``tokens[:k]``, ``k <= len(tokens) - 1``."""
+        best_k, best_i = self.peek(tokens)
         cache = self.new_cache()
         if best_i < 0:
             return 0, cache

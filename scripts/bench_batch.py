@@ -139,6 +139,14 @@ def main() -> None:
     cached = [r["usage"]["cached_tokens"] for r in results]
 
     t0 = time.perf_counter()
+    subprocess.run(exe + ["batch", str(infile), "-o", str(work / "par.jsonl"), "--quiet",
+                          "--parallel", "16", "--max-tokens", str(max_tokens), *model_args],
+                   env=env, capture_output=True)
+    t_par = time.perf_counter() - t0
+    par = [json.loads(x) for x in (work / "par.jsonl").read_text().splitlines()]
+    same_par = sum(a.get("reply") == b.get("reply") for a, b in zip(results, par))
+
+    t0 = time.perf_counter()
     for q in QUESTIONS:
         subprocess.run(exe + ["ask", *model_args, "--system", system, "--max-tokens",
                               str(max_tokens), q], env=env, capture_output=True, check=True)
@@ -154,6 +162,8 @@ def main() -> None:
           f"{max_tokens} tokens each · {benchlib.machine()}")
     benchlib.print_table(["run", "wall s", "vs localchat batch"], [
         ["localchat batch (1 process)", t_batch, "1.00x"],
+        [f"localchat batch --parallel 16 ({same_par}/{len(par)} replies equal)", t_par,
+         f"{t_par / t_batch:.2f}x"],
         [f"{len(QUESTIONS)} x localchat ask", t_asks, f"{t_asks / t_batch:.2f}x"],
         ["in-process: one-at-a-time + prefix pool", decode["ours_s"], ""],
         ["in-process: mlx-lm batch_generate", decode["batch_generate_s"],
@@ -164,6 +174,7 @@ def main() -> None:
     benchlib.print_json({
         "bench": "batch", "machine": benchlib.machine(), "lines": len(QUESTIONS),
         "batch_wall_s": t_batch, "asks_wall_s": t_asks, "asks_vs_batch": t_asks / t_batch,
+        "parallel16_wall_s": t_par, "parallel16_replies_equal": same_par,
         "cached_tokens": cached, "decode_strategies": decode,
     })
 

@@ -109,3 +109,31 @@ def test_stdin_input(home, tiny_model, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data.encode())))
     code, rows, _ = batch(capsys, tiny_model, "-")
     assert code == 0 and rows[0]["id"] == "x"
+
+
+def test_parallel_decoding_keeps_order_errors_and_prefix_reuse(home, tiny_model, tmp_path,
+                                                              capsys):
+    rows_in = [{"id": i, "system": SYSTEM, "prompt": q} for i, q in enumerate(
+        ["Hello", "What is the capital of Korea?", "서울은?", "Bye"])]
+    rows_in.insert(2, '{"id": "bad"')
+    rows_in.append({"id": "long", "prompt": "hello " * 2000})
+    f = write_jsonl(tmp_path / "in.jsonl", rows_in)
+    code, par, _ = batch(capsys, tiny_model, str(f), "--parallel", "4")
+    assert code == 1
+    assert [r["id"] for r in par] == [0, 1, "bad", 2, 3, "long"]
+    assert "error" in par[2] and "holds 1024" in par[5]["error"]
+    code, seq, _ = batch(capsys, tiny_model, str(f))
+    ok = [i for i, r in enumerate(seq) if "reply" in r]
+    assert ok == [i for i, r in enumerate(par) if "reply" in r]
+    from localchat.engine import Engine
+
+    shared = len(Engine.load(str(tiny_model)).render(
+        [{"role": "system", "content": SYSTEM}])) - 5
+    for i in ok:
+        p, s = par[i]["usage"], seq[i]["usage"]
+        assert p["prompt_tokens"] == s["prompt_tokens"]
+        assert p["prompt_tokens"] == p["cached_tokens"] + p["prefilled_tokens"]
+        assert p["cached_tokens"] >= shared  # the group's prefix was prefilled once
+        assert p["completion_tokens"] <= 6
+    # Batched rounding may change a greedy token now and then; on the tiny model it does not.
+    assert [par[i]["reply"] for i in ok] == [seq[i]["reply"] for i in ok]
