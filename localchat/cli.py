@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from . import paths
 from .errors import BadInput, LocalchatError, StorageError
+from .fmt import human_bytes
 from .models import DEFAULT_MODEL, say
 
 
@@ -278,7 +279,7 @@ def cmd_list(args) -> int:
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         print(f"{r['name']:<{width}}  {r['messages']:>4} msgs  {r['tokens']:>6} tokens  "
-              f"{_human(r['cache_bytes']):>9}  {r['model']}")
+              f"{human_bytes(r['cache_bytes']):>9}  {r['model']}")
     return 0
 
 
@@ -383,22 +384,14 @@ def cmd_inspect(args) -> int:
          f"(2 x {info.layers} x {info.kv_heads} x {info.head_dim} x "
          f"{info.kv_bytes_per_token // (2 * info.layers * info.kv_heads * info.head_dim)} B)"),
         ("context_length", f"{info.context_length:,} tokens "
-         f"= {_human(info.context_length * info.kv_bytes_per_token)} of KV cache"),
-        ("cache on disk", f"{_human(mine)} for {tokens:,} tokens of this model"
+         f"= {human_bytes(info.context_length * info.kv_bytes_per_token)} of KV cache"),
+        ("cache on disk", f"{human_bytes(mine)} for {tokens:,} tokens of this model"
          + (f" ({mine / tokens:,.0f} B/token)" if tokens else "")),
-        ("all caches", _human(total)),
+        ("all caches", human_bytes(total)),
     ]
     for k, v in rows:
         print(f"{k:<20} {v}")
     return 0
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def entry() -> None:
