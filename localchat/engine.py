@@ -97,10 +97,14 @@ class Engine:
 
             cache = self._plain_cache()
             self.model(mx.array([[0]]), cache=cache)  # one token reveals K/V shape and dtype
-            keys = cache[0].state[0]
+            trimmable = all(is_plain_kv(c) for c in cache)
+            keys = next(c.state[0] for c in cache
+                        if isinstance(c.state[0], mx.array) and c.state[0].ndim == 4)
             _, kv_heads, _, head_dim = keys.shape
             self._compute_dtype = keys.dtype
-            store = mx.float16 if keys.dtype == mx.float32 else keys.dtype
+            # Rounding to float16 as K/V enter the cache is done by our KVCache subclass, so
+            # only plain caches get it; snapshot caches keep the compute dtype.
+            store = mx.float16 if keys.dtype == mx.float32 and trimmable else keys.dtype
             dtype = str(store).replace("mlx.core.", "")
             layers = len(cache)
             heads = int(self.config.get("num_attention_heads", kv_heads))
@@ -118,7 +122,7 @@ class Engine:
                 kv_dtype=dtype,
                 kv_bytes_per_token=2 * layers * int(kv_heads) * int(head_dim) * store.size,
                 context_length=int(ctx),
-                trimmable=all(is_plain_kv(c) for c in cache),
+                trimmable=trimmable,
             )
         return self._info
 

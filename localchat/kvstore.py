@@ -17,7 +17,7 @@ Rules:
 - ``load`` checks format, version, fingerprint, geometry and each segment's CRC-32; any
   mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
 
-This module handles plain (trimmable) KV caches; ``snapshot`` files cover the others.
+This module handles plain (trimmable) KV caches; ``snapshot.py`` covers the others.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ class Manifest:
     geometry: Geometry
     tokens: list[int]
     segments: list[Segment]
+    snapshot: dict | None = None  # whole-cache snapshot (see snapshot.py); then no segments
 
     def to_json(self) -> str:
         g = self.geometry
@@ -76,6 +77,7 @@ class Manifest:
                 "head_dim": g.head_dim,
                 "dtype": g.dtype,
                 "segments": [s.__dict__ for s in self.segments],
+                "snapshot": self.snapshot,
                 "tokens": self.tokens,
             }
         )
@@ -93,10 +95,15 @@ class Manifest:
             )
             segs = [Segment(**s) for s in d["segments"]]
             tokens = [int(t) for t in d["tokens"]]
+            snapshot = d.get("snapshot")
+            if snapshot is not None and (segs or not isinstance(snapshot, dict)):
+                raise CacheInvalid("damaged manifest (snapshot beside segments)")
         except CacheInvalid:
             raise
         except (ValueError, KeyError, TypeError) as err:
             raise CacheInvalid(f"damaged manifest ({type(err).__name__})") from None
+        if snapshot is not None:
+            return cls(geom, tokens, [], snapshot)
         pos = 0
         for s in segs:
             if s.start != pos or s.end <= s.start:
@@ -137,13 +144,11 @@ class KVStore:
         """
         import mlx.core as mx
 
-        man = self.manifest()
+        man = self.checked_manifest(geometry)
         if man is None:
             return None
-        if man.geometry.fingerprint != geometry.fingerprint:
-            raise CacheInvalid("model changed")
-        if man.geometry != geometry:
-            raise CacheInvalid("cache geometry differs from the model")
+        if man.snapshot is not None:
+            raise CacheInvalid("a snapshot cache where segments were expected")
         if not man.segments:
             return [], []
         keys, values = [], []
@@ -188,6 +193,17 @@ class KVStore:
         mx.eval(layers)
         return man.tokens, layers
 
+    def checked_manifest(self, geometry: Geometry) -> Manifest | None:
+        """The manifest if it was made for ``geometry``; raises ``CacheInvalid`` if not."""
+        man = self.manifest()
+        if man is None:
+            return None
+        if man.geometry.fingerprint != geometry.fingerprint:
+            raise CacheInvalid("model changed")
+        if man.geometry != geometry:
+            raise CacheInvalid("cache geometry differs from the model")
+        return man
+
     def disk_bytes(self) -> int:
         try:
             return sum(f.stat().st_size for f in self.folder.iterdir() if f.is_file())
@@ -207,7 +223,7 @@ class KVStore:
             old = self.manifest()
         except CacheInvalid:
             old = None
-        if old is not None and old.geometry != geometry:
+        if old is not None and (old.geometry != geometry or old.snapshot is not None):
             old = None
         keep: list[Segment] = []
         written = 0
@@ -230,9 +246,9 @@ class KVStore:
             keep.append(new)
         man = Manifest(geometry, list(tokens), keep)
         text = man.to_json().encode()
-        _atomic_write(self.folder / MANIFEST, text)
+        atomic_write(self.folder / MANIFEST, text)
         written += len(text)
-        self._remove_strays({s.file for s in keep})
+        self.remove_strays({s.file for s in keep})
         return written
 
     def clear(self) -> None:
@@ -243,7 +259,7 @@ class KVStore:
             (self.folder / MANIFEST).unlink()
         except FileNotFoundError:
             pass
-        self._remove_strays(set())
+        self.remove_strays(set())
 
     def _next_index(self, old: Manifest | None, extra: list[Segment] = ()) -> int:
         names = [s.file for s in (old.segments if old else [])] + [s.file for s in extra]
@@ -262,11 +278,11 @@ class KVStore:
         tmp = self.folder / f".tmp-{name}"  # mx.save_safetensors wants the suffix
         mx.save_safetensors(str(tmp), {"keys": keys, "values": values})
         data = tmp.read_bytes()
-        _fsync_file(tmp)
+        fsync_file(tmp)
         os.replace(tmp, self.folder / name)
         return Segment(name, start, end, zlib.crc32(data), len(data))
 
-    def _remove_strays(self, live: set[str]) -> None:
+    def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():
             if f.name != MANIFEST and f.name not in live:
                 try:
@@ -315,7 +331,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -323,7 +339,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)

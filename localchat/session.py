@@ -23,6 +23,7 @@ from .errors import BadInput, ContextFull, StorageError
 from .kvstore import CacheInvalid, Geometry, KVStore, common_prefix
 from .locks import ConversationLock
 from .prefixes import PrefixPool
+from .snapshot import load_snapshot, save_snapshot
 from .store import Conversation, Store
 
 
@@ -60,6 +61,7 @@ class Usage:
     cache_bytes: int  # size of the conversation's cache on disk
     bytes_written: int  # cache bytes this turn wrote
     miss_reason: str  # why tokens were prefilled: "", "new conversation", "edited", ...
+    snapshot: bool = False  # the model's cache is saved whole at turn ends (not appendable)
 
     @property
     def hit_ratio(self) -> float:
@@ -197,7 +199,11 @@ class Session:
         if reason.startswith("cache rebuilt"):
             yield Notice(reason)
         k = min(common_prefix(cached, tokens), len(tokens) - 1)
-        if k < cache_offset(cache):
+        if k < len(cached) and not self.engine.info().trimmable:
+            # A snapshot cache cannot be cut: anything but an exact extension starts over.
+            cache, k = self.engine.new_cache(), 0
+            reason = reason or "edited (this model's cache cannot be cut: full prefill)"
+        elif k < cache_offset(cache):
             drop = cache_offset(cache) - k
             for c in cache:
                 c.trim(drop)
@@ -275,6 +281,7 @@ class Session:
             cache_bytes=cache_bytes,
             bytes_written=written,
             miss_reason=reason,
+            snapshot=not self.engine.info().trimmable,
         )
 
     def _prefill_and_decode(self, new_tokens, cache, max_tokens, temp, seed, run: _Run):
@@ -334,7 +341,12 @@ class Session:
                 return live.tokens, live.cache, ""
         self._live = None
         try:
-            loaded = store.load(geometry, engine.compute_dtype(), headroom=256)
+            if not engine.info().trimmable:
+                loaded = load_snapshot(store, geometry)
+                if loaded is not None:
+                    return loaded[0], loaded[1], ""
+            else:
+                loaded = store.load(geometry, engine.compute_dtype(), headroom=256)
         except CacheInvalid as err:
             store.clear()
             return [], engine.new_cache(), f"cache rebuilt: {err}"
@@ -357,7 +369,10 @@ class Session:
         fed = fed_candidates[:n]
         written = 0
         try:
-            written = store.commit(geometry, fed, cache)
+            if self.engine.info().trimmable:
+                written = store.commit(geometry, fed, cache)
+            else:
+                written = save_snapshot(store, geometry, fed, cache)
             self._live = _Live(conv.id, geometry.fingerprint, fed, cache)
         except OSError as err:
             # The previous manifest still describes valid segments: the cache is only behind.

@@ -32,7 +32,7 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def build_tiny_model(out: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                      kv_heads: int = 2, context: int = 1024, seed: int = 0,
-                     dtype: str = "float32") -> Path:
+                     dtype: str = "float32", sliding_window: int | None = None) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -62,6 +62,9 @@ def build_tiny_model(out: Path, *, layers: int = 2, hidden: int = 64, heads: int
         "max_position_embeddings": context, "tie_word_embeddings": False,
         "eos_token_id": tok.token_to_id("<|im_end|>"),
     }
+    if sliding_window:  # every other layer attends to a window: RotatingKVCache
+        config["sliding_window"] = sliding_window
+        config["layer_types"] = ["sliding_attention", "full_attention"] * (layers // 2)
     (out / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))

@@ -23,6 +23,8 @@ def describe(usage: Usage) -> str:
         f"decode {usage.decode_tps:.1f} tok/s",
         f"KV {human_bytes(usage.cache_bytes)}",
     ]
+    if usage.snapshot:
+        parts.append("snapshot cache")
     if usage.miss_reason:
         parts.append(f"miss: {usage.miss_reason}")
     return " · ".join(parts)
