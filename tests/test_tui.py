@@ -197,3 +197,35 @@ def test_help_screen_snapshot(make_app, snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, run_before=ready, terminal_size=(100, 34))
+
+
+async def test_paste_palette_system_prompt_and_context_full(make_app):
+    app, _ = make_app(["short answer"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        composer = app.query_one(Composer)
+        # A long multi-line paste lands whole and does not send.
+        from textual import events
+        pasted = "첫 줄\n" + "word " * 3000
+        app.post_message(events.Paste(pasted))  # as the terminal driver delivers it
+        await pilot.pause()
+        assert composer.text == pasted and users(app) == []
+        # Over the tiny model's 1024-token context: an error notification, text kept.
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert any("holds 1024" in n.message for n in app._notifications)
+        assert composer.text == pasted and users(app) == []
+        assert [m.content for m in app.store.messages(app.current)] == []
+        composer.clear()
+        # The command palette lists our actions; pick "System prompt" from it.
+        await pilot.press("ctrl+p")
+        await pilot.press(*"System prompt")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        await pilot.press(*"Answer in Korean.", "enter")
+        await settle(app, pilot)
+        assert app.store.get(app.current.name).system == "Answer in Korean."
+        await pilot.press(*"Hi", "enter")
+        await settle(app, pilot)
+        assert replies(app) == ["short answer"]
