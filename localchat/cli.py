@@ -268,7 +268,7 @@ def cmd_list(args) -> int:
             "model": conv.model,
             "messages": len(store.messages(conv)),
             "tokens": conv.tokens,
-            "cache_bytes": KVStore(paths.kv_root() / str(conv.id)).disk_bytes(),
+            "cache_bytes": KVStore(paths.kv_folder(conv.id)).disk_bytes(),
         })
     if args.json:
         print(json.dumps(rows, ensure_ascii=False))
@@ -329,12 +329,9 @@ def cmd_export(args) -> int:
 
 def cmd_rm(args) -> int:
     """Delete a conversation, its messages and its KV cache."""
-    import shutil
-
     store = open_store()
     conv = store.get(args.name)
     store.delete(conv)
-    shutil.rmtree(paths.kv_root() / str(conv.id), ignore_errors=True)
     print(f"deleted {conv.name}", file=sys.stderr)
     return 0
 

@@ -27,6 +27,11 @@ def kv_root() -> Path:
     return data_home() / "kv"
 
 
+def kv_folder(conversation_id: int) -> Path:
+    """The KV cache folder of one conversation."""
+    return kv_root() / str(conversation_id)
+
+
 def models_dir() -> Path:
     """Folder holding models localchat converted itself (the embedded default)."""
     return data_home() / "models"

@@ -136,12 +136,6 @@ class Session:
         """Ask the running turn to stop after the current token (thread-safe)."""
         self._stop.set()
 
-    def forget(self, conv: Conversation) -> None:
-        """Drop a conversation's cache from memory and disk (before deleting it)."""
-        if self._live and self._live.conversation_id == conv.id:
-            self._live = None
-        self.kvstore(conv).clear()
-
     def geometry(self) -> Geometry:
         info = self.engine.info()
         return Geometry(self.engine.fingerprint, info.layers, info.kv_heads, info.head_dim,

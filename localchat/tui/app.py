@@ -8,7 +8,6 @@ a model, every turn) runs on a worker thread, one at a time; the worker posts me
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Iterable
 
 from textual import on, work
@@ -342,7 +341,6 @@ class LocalchatApp(App):
             if not yes:
                 return
             self.store.delete(conv)
-            shutil.rmtree(paths.kv_root() / str(conv.id), ignore_errors=True)
             convs = self.store.list()
             nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
             self.open_conversation(nxt)
