@@ -217,7 +217,9 @@ def cmd_ask(args) -> int:
         if finished.reply and not finished.reply.endswith("\n"):
             sys.stdout.write("\n")
         if finished.stopped:
-            print("localchat: stopped; the partial reply is saved", file=sys.stderr)
+            what = ("the partial reply is saved" if finished.reply else
+                    "your message is saved, no reply yet")
+            print(f"localchat: stopped; {what}", file=sys.stderr)
     return 130 if finished.stopped else 0
 
 
