@@ -157,6 +157,10 @@ class LocalchatApp(App):
 
     def on_model_loaded(self, msg: ModelLoaded) -> None:
         self.busy = False
+        # Store the resolved name (an absolute folder, say), as `ask` does.
+        self._loaded_model = msg.info.name
+        if self.current and self.current.model != msg.info.name:
+            self.current = self.store.update(self.current, model=msg.info.name)
         status = self.query_one(StatusBar)
         status.model = msg.info.name.rsplit("/", 1)[-1] if "/" in msg.info.name else msg.info.name
         status.context = (self.current.tokens if self.current else 0, msg.info.context_length)
