@@ -1,5 +1,7 @@
 """The chat app driven by real key presses (Textual Pilot), asserting on what is shown."""
 
+import asyncio
+
 import pytest
 from fakes import ScriptedEngine
 
@@ -229,3 +231,21 @@ async def test_paste_palette_system_prompt_and_context_full(make_app):
         await pilot.press(*"Hi", "enter")
         await settle(app, pilot)
         assert replies(app) == ["short answer"]
+
+
+async def test_quit_mid_reply_keeps_the_partial_reply(make_app):
+    long = " ".join(["word"] * 300)
+    app, _ = make_app([long], delay=0.01)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Talk a lot")
+        await pilot.pause(0.3)
+        store, name = app.store, app.current.name
+        await pilot.press("ctrl+q")
+    for _ in range(100):  # the worker thread saves the stopped turn just after the exit
+        msgs = store.messages(store.get(name))
+        if msgs[-1].role == "assistant":
+            break
+        await asyncio.sleep(0.05)
+    assert msgs[-1].role == "assistant" and msgs[-1].partial
+    assert 0 < len(msgs[-1].content) < len(long)

@@ -290,6 +290,16 @@ class LocalchatApp(App):
         if self.busy and self.session is not None:
             self.session.stop()
 
+    async def action_quit(self) -> None:
+        """Quit; a reply in progress is stopped first, so its partial text is saved.
+
+        The worker thread then ends after one more token and saves the turn; Python waits for
+        it before the process exits (executor threads are joined at exit).
+        """
+        if self.busy and self.session is not None:
+            self.session.stop()
+        self.exit()
+
     def action_new(self) -> None:
         if self.busy or self.dialog_open:
             return
