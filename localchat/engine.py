@@ -12,11 +12,9 @@ that ends the reply (EOS or the last allowed token): the next turn prefills it.
 from __future__ import annotations
 
 import functools
-import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import backend
 from .errors import ModelBroken
@@ -273,13 +271,6 @@ def _quiet_transformers() -> None:
 def cache_offset(cache: list) -> int:
     """Number of positions held by a cache (layer 0's view)."""
     return int(cache[0].offset) if cache else 0
-
-
-def read_config(path: Path) -> dict:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as err:
-        raise ModelBroken(f"{path}: unreadable config.json ({err})") from None
 
 
 def now() -> float:
