@@ -156,9 +156,15 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None =
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         say("converting: building the tokenizer")
         _write_tokenizer(meta, tmp)
-        shutil.rmtree(out, ignore_errors=True)
+        if (out / "config.json").is_file():  # another process finished first: use its copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
+        shutil.rmtree(out, ignore_errors=True)  # a leftover without config.json is not a model
         os.replace(tmp, out)
     except OSError as err:
+        if (out / "config.json").is_file():  # lost a race to a concurrent set-up: fine
+            shutil.rmtree(tmp, ignore_errors=True)
+            return
         shutil.rmtree(tmp, ignore_errors=True)
         raise StorageError(f"cannot write the model to {out}: {err.strerror or err}") from None
 

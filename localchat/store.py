@@ -76,6 +76,7 @@ class Store:
             path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(path, timeout=30, isolation_level=None,
                                  check_same_thread=False)
+            db.execute("PRAGMA busy_timeout = 30000")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA foreign_keys=ON")
             migrate(db)
@@ -208,8 +209,23 @@ class _Transaction:
 
 
 def migrate(db: sqlite3.Connection) -> int:
-    """Bring the schema to the newest version; return that version."""
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    for i in range(version, len(MIGRATIONS)):
-        db.executescript(f"BEGIN; {MIGRATIONS[i]} PRAGMA user_version = {i + 1}; COMMIT;")
+    """Bring the schema to the newest version; return that version.
+
+    Runs under BEGIN IMMEDIATE and re-reads the version inside it, so two processes opening a
+    new database at once take turns instead of failing with "database is locked".
+    """
+    if db.execute("PRAGMA user_version").fetchone()[0] >= len(MIGRATIONS):
+        return len(MIGRATIONS)
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        for i in range(version, len(MIGRATIONS)):
+            for statement in MIGRATIONS[i].split(";"):
+                if statement.strip():
+                    db.execute(statement)
+            db.execute(f"PRAGMA user_version = {i + 1}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
     return len(MIGRATIONS)

@@ -132,3 +132,30 @@ def test_hub_repo_id_resolves_from_local_hub_cache(home, tiny_model, tmp_path, m
     assert "tiny/llama" in capsys.readouterr().out
     assert main(["ask", "-m", "tiny/missing", "hi"]) == 1
     assert "not in the local Hugging Face cache" in capsys.readouterr().err
+
+
+def test_store_migrates_a_blank_database_and_two_openers_take_turns(tmp_path):
+    import sqlite3
+    import threading
+
+    from localchat.store import MIGRATIONS, Store
+
+    path = tmp_path / "new.db"
+    errors = []
+
+    def open_one():
+        try:
+            Store.open(path).close()
+        except Exception as err:  # noqa: BLE001 - collected for the assertion
+            errors.append(err)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+    cols = {r[1] for r in db.execute("PRAGMA table_info(conversations)")}
+    assert {"id", "name", "model", "system", "tokens"} <= cols
