@@ -373,7 +373,7 @@ class Session:
             self._live = None
             if notices is not None:
                 notices.append(f"cache not saved ({err.strerror or err}); it will be rebuilt")
-        if reply or partial:
+        if reply:  # an empty reply (stopped before any text) is not worth a message
             self.store.add_message(conv, "assistant", reply, partial=partial)
         try:
             self.store.update(conv, tokens=n)

@@ -219,6 +219,8 @@ class LocalchatApp(App):
                     self.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
         except LocalchatError as err:
             self.post_message(TurnFailed(str(err), prompt))
+        except Exception as err:  # noqa: BLE001 - a bug must not close the app and lose the draft
+            self.post_message(TurnFailed(f"{type(err).__name__}: {err}", prompt))
 
     def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
         self.query_one(StatusBar).activity = f"prefilling {msg.done}/{msg.total} tokens…"
