@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadInput, LocalchatError
+from .fmt import StatusLine
 from .prefixes import PrefixPool
 from .session import Notice, Session, TurnFinished
 
@@ -232,26 +233,22 @@ def _done_ids(path: Path) -> set:
 
 
 class _Progress:
+    """done/total, tok/s and ETA of a batch on one status line."""
+
     def __init__(self, total: int, enabled: bool):
-        self.total, self.enabled = total, enabled
+        self.total, self.line = total, StatusLine(enabled)
         self.done = self.tokens = 0
         self.t0 = time.perf_counter()
 
     def step(self, tokens: int) -> None:
         self.done += 1
         self.tokens += tokens
-        if not self.enabled:
-            return
         dt = time.perf_counter() - self.t0
         rate = self.tokens / dt if dt else 0.0
-        eta = dt / self.done * (self.total - self.done) if self.done else 0.0
-        width = 24
-        filled = width * self.done // max(self.total, 1)
-        sys.stderr.write(f"\r\x1b[2K[{'#' * filled}{'.' * (width - filled)}] "
-                         f"{self.done}/{self.total} · {rate:.1f} tok/s · ETA {eta:.0f}s")
-        sys.stderr.flush()
+        eta = dt / self.done * (self.total - self.done)
+        filled = 24 * self.done // max(self.total, 1)
+        self.line.show(f"[{'#' * filled}{'.' * (24 - filled)}] {self.done}/{self.total} · "
+                       f"{rate:.1f} tok/s · ETA {eta:.0f}s")
 
     def clear(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
+        self.line.clear()

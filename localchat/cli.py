@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from . import paths
 from .errors import BadInput, LocalchatError, StorageError
-from .fmt import human_bytes
+from .fmt import StatusLine, human_bytes
 from .models import DEFAULT_MODEL, say
 
 
@@ -189,7 +189,7 @@ def cmd_ask(args) -> int:
         if changes:
             conv = store.update(conv, **changes)
 
-    progress = _Progress(enabled=sys.stderr.isatty())
+    progress = StatusLine(enabled=sys.stderr.isatty())
     finished = None
     with _GracefulInterrupt(session.stop):
         for ev in session.turn(conv, prompt, max_tokens=args.max_tokens, temp=args.temp,
@@ -221,26 +221,6 @@ def cmd_ask(args) -> int:
                     "your message is saved, no reply yet")
             print(f"localchat: stopped; {what}", file=sys.stderr)
     return 130 if finished.stopped else 0
-
-
-class _Progress:
-    """A single self-overwriting status line on stderr (only on a terminal)."""
-
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
-        self.shown = False
-
-    def show(self, text: str) -> None:
-        if self.enabled:
-            sys.stderr.write(f"\r\x1b[2K{text}")
-            sys.stderr.flush()
-            self.shown = True
-
-    def clear(self) -> None:
-        if self.shown:
-            sys.stderr.write("\r\x1b[2K")
-            sys.stderr.flush()
-            self.shown = False
 
 
 def cmd_chat(args) -> int:

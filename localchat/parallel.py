@@ -29,7 +29,7 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     rendered: list[tuple[list[int], int] | Exception] = []
     for chat, limit in zip(chats, max_tokens):
         try:
-            rendered.append(session._render(chat, limit))
+            rendered.append(session.render_checked(chat, limit))
         except Exception as err:  # noqa: BLE001 - becomes this line's error record
             rendered.append(err)
     ok = [r for r in rendered if not isinstance(r, Exception)]

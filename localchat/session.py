@@ -183,7 +183,7 @@ class Session:
             history.append({"role": "user", "content": prompt})
         elif not history or history[-1]["role"] != "user":
             raise BadInput("nothing to answer: the conversation does not end with a user message")
-        tokens, max_tokens = self._render(history, max_tokens)
+        tokens, max_tokens = self.render_checked(history, max_tokens)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
 
@@ -235,7 +235,7 @@ class Session:
         """
         t0 = now()
         self._stop.clear()
-        tokens, max_tokens = self._render(messages, max_tokens)
+        tokens, max_tokens = self.render_checked(messages, max_tokens)
         k, cache = pool.take(tokens)
         run = _Run()
         yield from self._prefill_and_decode(tokens[k:], cache, max_tokens, temp, seed, run)
@@ -245,7 +245,7 @@ class Session:
         usage = self._usage(tokens, k, run, cache, t0, 0, 0, reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
-    def _render(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+    def render_checked(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
         """Token ids of ``messages`` ready for a reply, and the reply budget that fits."""
         info = self.engine.info()
         tokens = self.engine.render(messages)

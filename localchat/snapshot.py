@@ -11,10 +11,9 @@ Costs: each turn rewrites the whole (bounded) cache instead of appending.
 
 from __future__ import annotations
 
-import os
 import zlib
 
-from .kvstore import CacheInvalid, Geometry, KVStore, Manifest, atomic_write, fsync_file
+from .kvstore import CacheInvalid, Geometry, KVStore, Manifest, atomic_write, write_tensors
 
 
 def save_snapshot(store: KVStore, geometry: Geometry, tokens: list[int], cache: list) -> int:
@@ -32,19 +31,12 @@ def save_snapshot(store: KVStore, geometry: Geometry, tokens: list[int], cache: 
                 items.append(["value", item])
         layers.append({"class": type(c).__name__, "items": items})
     store.folder.mkdir(parents=True, exist_ok=True)
-    old = [p.name for p in store.folder.glob("snap-*.safetensors")]
-    index = max((int(n[5:11]) for n in old if n[5:11].isdigit()), default=0) + 1
-    name = f"snap-{index:06d}.safetensors"
-    tmp = store.folder / f".tmp-{name}"
-    mx.save_safetensors(str(tmp), arrays)
-    data = tmp.read_bytes()
-    fsync_file(tmp)
-    os.replace(tmp, store.folder / name)
-    snapshot = {"file": name, "crc32": zlib.crc32(data), "nbytes": len(data), "layers": layers}
+    name, crc, nbytes = write_tensors(store.folder, "snap", arrays)
+    snapshot = {"file": name, "crc32": crc, "nbytes": nbytes, "layers": layers}
     text = Manifest(geometry, list(tokens), [], snapshot).to_json().encode()
     atomic_write(store.folder / "manifest.json", text)
     store.remove_strays({name})
-    return len(data) + len(text)
+    return nbytes + len(text)
 
 
 def load_snapshot(store: KVStore, geometry: Geometry) -> tuple[list[int], list] | None:
