@@ -113,6 +113,8 @@ def open_session(store, model: str | None):
     from .session import Session
 
     engine = Engine.load(model, progress=say)
+    for text in engine.notices:
+        say(text)
     timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
     return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout=timeout)
 
@@ -332,11 +334,15 @@ def cmd_models(args) -> int:
 
 def cmd_inspect(args) -> int:
     """What the KV cache costs for a model: geometry, bytes per token, bytes on disk."""
+    from . import backend
     from .engine import Engine
     from .kvstore import CacheInvalid, KVStore
 
     engine = Engine.load(args.model, progress=say)
+    for text in engine.notices:
+        say(text)
     info = engine.info()
+    blas = backend.describe()
     mine = total = tokens = 0
     root = paths.kv_root()
     if root.is_dir():
@@ -352,7 +358,7 @@ def cmd_inspect(args) -> int:
                 mine += size
                 tokens += len(man.tokens)
     out = {**info.__dict__, "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
-           "all_caches_bytes_on_disk": total}
+           "all_caches_bytes_on_disk": total, "blas": blas}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -367,6 +373,7 @@ def cmd_inspect(args) -> int:
         ("cache on disk", f"{human_bytes(mine)} for {tokens:,} tokens of this model"
          + (f" ({mine / tokens:,.0f} B/token)" if tokens else "")),
         ("all caches", human_bytes(total)),
+        ("matmuls", blas),
     ]
     for k, v in rows:
         print(f"{k:<20} {v}")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from . import backend
 from .errors import ModelBroken
 from .models import ModelRef, fingerprint, resolve
-from .paths import data_home
+from .paths import cpu_weights_dir
 
 PREFILL_CHUNK = 512
 
@@ -53,6 +53,7 @@ class Engine:
         self._fingerprint: str | None = None
         self._info: ModelInfo | None = None
         self._compute_dtype = None
+        self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
 
     @classmethod
     def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None) -> Engine:
@@ -74,8 +75,10 @@ class Engine:
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
-        weights_cache = data_home() / "cpu-weights" / f"{fingerprint(ref.path)[:32]}.safetensors"
-        backend.tune(model, weights_cache)
+        model_fp = fingerprint(ref.path)
+        weights_cache = cpu_weights_dir() / f"{model_fp[:32]}.safetensors"
+        slow = backend.slow_path_notice()
+        engine.notices = ([slow] if slow else []) + backend.tune(model, weights_cache, model_fp)
         return engine
 
     # -- facts about the model -------------------------------------------------------------

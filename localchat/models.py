@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelBroken, ModelNotFound
-from .paths import data_home, models_dir
+from .paths import fingerprints_path, models_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL, "smollm2-135m-instruct"}
@@ -142,7 +142,7 @@ def sha256_file(path: Path) -> str:
 
 
 def _file_hash(path: Path) -> str:
-    memo_file = data_home() / "fingerprints.json"
+    memo_file = fingerprints_path()
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     try:

@@ -39,3 +39,18 @@ def models_dir() -> Path:
 
 def locks_dir() -> Path:
     return data_home() / "locks"
+
+
+def cpu_weights_dir() -> Path:
+    """Float32 copies of quantized weights for the Linux CPU path (derived; safe to delete)."""
+    return data_home() / "cpu-weights"
+
+
+def runtime_dir() -> Path:
+    """Runtime libraries localchat derives from its wheels (see ``backend.py``)."""
+    return data_home() / "cpu-runtime"
+
+
+def fingerprints_path() -> Path:
+    """Memoised sha256 of model weight files, keyed by path, size and mtime."""
+    return data_home() / "fingerprints.json"

@@ -61,7 +61,10 @@ def machine() -> str:
         cpu = model
     except (OSError, StopIteration):
         pass
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}"
+    from localchat import backend
+
+    return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}, "
+            f"matmuls: {backend.describe()}")
 
 
 def print_table(headers: list[str], rows: list[list]) -> None:

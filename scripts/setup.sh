@@ -17,3 +17,5 @@ esac
 [ "${1:-}" = "test" ] && extras="${extras:+$extras,}test"
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}"
+# Which BLAS the CPU path gets, measured; on a Linux CPU without a fast one, the fix to run.
+.venv/bin/python -m localchat.backend

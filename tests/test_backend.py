@@ -1,6 +1,7 @@
 """The Linux CPU fast path: OpenBLAS loaded before MLX, quantized weights run as float32."""
 
 import json
+import os
 import shutil
 import sys
 
@@ -50,3 +51,110 @@ def test_cpu_runs_quantized_weights_dequantized_and_caches_them(home, quantized_
     out1, out2 = first.model(x), second.model(x)
     assert mx.array_equal(out1, out2)
     assert mx.allclose(out1, expected.astype(mx.float32), atol=1e-3, rtol=1e-3)
+
+
+def _without_system_gfortran(cmd: list[str]) -> list[str]:
+    """``cmd`` run where the system's libgfortran.so.5 is hidden, as on a fresh machine.
+
+    Hidden with a bind mount in a private mount namespace (root and ``unshare`` needed); on
+    a machine that has no libgfortran.so.5 the command runs as it is.
+    """
+    import subprocess
+
+    listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    libs = sorted({line.rsplit("=>", 1)[1].strip() for line in listing.splitlines()
+                   if "libgfortran.so.5 " in line})
+    if not libs:
+        return cmd
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("cannot hide the system's libgfortran.so.5 (needs root and unshare)")
+    mounts = " && ".join(f"mount --bind /dev/null {os.path.realpath(p)}" for p in libs)
+    return ["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+def test_fresh_machine_without_libgfortran_still_gets_openblas(tmp_path):
+    import subprocess
+
+    code = ("import ctypes.util; from localchat import backend; s = backend.prepare(); "
+            "import mlx.core as mx; a = mx.arange(16.0).reshape(4, 4); "
+            "print(s.path, ctypes.util.find_library('gfortran'), (a @ a).sum().item())")
+    env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home")}
+    env.pop("LOCALCHAT_BLAS", None)
+    out = subprocess.run(_without_system_gfortran([sys.executable, "-c", code]), env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    path, gfortran, total = out.stdout.split()
+    assert "openblas" in path and gfortran == "None"
+    assert float(total) == float((mx.arange(16.0).reshape(4, 4) @ mx.arange(16.0).reshape(4, 4))
+                                 .sum().item())
+    copies = list((tmp_path / "home" / "cpu-runtime").glob("libgfortran.so.5-*"))
+    assert len(copies) == 1  # made from a wheel's bundled copy, kept for the next start
+
+
+def test_soname_patch_changes_only_the_soname():
+    libs = backend._bundled_gfortran()
+    if not libs:
+        pytest.skip("no wheel here bundles libgfortran")
+    original = libs[0][0].read_bytes()
+    patched = backend.soname_patched(original, b"libgfortran.so.5")
+    assert len(patched) == len(original)
+    assert sum(a != b for a, b in zip(original, patched)) <= 8  # one DT_SONAME value
+    with pytest.raises(ValueError):
+        backend.soname_patched(original, b"libnothing.so.9")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+def test_no_fast_blas_says_so_once_and_still_answers(tiny_model, tmp_path):
+    import subprocess
+
+    env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home"),
+           "LOCALCHAT_BLAS": str(tmp_path / "missing" / "libopenblas.so")}
+    out = subprocess.run([sys.executable, "-m", "localchat", "ask", "-m", str(tiny_model),
+                          "--max-tokens", "5", "--json", "Hello"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "slow CPU path" in ln]
+    assert len(lines) == 1 and "libopenblas.so" in lines[0] and "LOCALCHAT_BLAS=" in lines[0]
+    assert "Traceback" not in out.stderr
+    assert json.loads(out.stdout)["usage"]["completion_tokens"] >= 1
+    # Disabled on purpose: no notice.
+    env["LOCALCHAT_BLAS"] = "off"
+    out = subprocess.run([sys.executable, "-m", "localchat", "inspect", "-m", str(tiny_model)],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "slow CPU path" not in out.stderr
+    assert "reference BLAS" in out.stdout and "GFLOP/s" in out.stdout
+
+
+def _flip(path, at: int, n: int = 64) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        data = f.read(n)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "no check file"])
+def test_damaged_cpu_weights_are_rebuilt_with_a_notice(home, quantized_model, damage):
+    x = mx.array([[5, 17, 42, 99, 7]])
+    fresh = Engine.load(str(quantized_model))
+    assert fresh.notices == []
+    expected = fresh.model(x)
+    (cached,) = (home / "cpu-weights").glob("*.safetensors")
+    if damage == "flipped":
+        _flip(cached, cached.stat().st_size // 2)
+    elif damage == "truncated":
+        os.truncate(cached, cached.stat().st_size - 4096)
+    else:
+        cached.with_name(cached.name + ".check.json").unlink()
+    if damage == "flipped":  # negative control: the damage changes weights the model uses
+        from mlx.utils import tree_flatten
+
+        used = dict(tree_flatten(fresh.model.parameters()))
+        blind = mx.load(str(cached))
+        assert any(not mx.array_equal(blind[k], used[k + ".weight"]) for k in blind)
+    again = Engine.load(str(quantized_model))
+    assert len(again.notices) == 1 and again.notices[0].startswith("CPU weights rebuilt:")
+    assert mx.array_equal(again.model(x), expected)
+    third = Engine.load(str(quantized_model))  # the rebuilt file passes its check
+    assert third.notices == [] and mx.array_equal(third.model(x), expected)

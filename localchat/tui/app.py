@@ -150,7 +150,7 @@ class LocalchatApp(App):
             return
         store = Store.open(paths.database_path())
         self.session = Session(store, engine, paths.kv_root(), paths.locks_dir())
-        self.post_message(ModelLoaded(info))
+        self.post_message(ModelLoaded(info, tuple(engine.notices)))
 
     def on_model_progressed(self, msg: ModelProgressed) -> None:
         self.query_one(StatusBar).activity = msg.text
@@ -165,6 +165,8 @@ class LocalchatApp(App):
         status.model = msg.info.name.rsplit("/", 1)[-1] if "/" in msg.info.name else msg.info.name
         status.context = (self.current.tokens if self.current else 0, msg.info.context_length)
         status.activity = ""
+        for text in msg.notices:
+            self.notify(text, severity="warning", timeout=20)
         self.update_draft_count()
 
     def on_model_failed(self, msg: ModelFailed) -> None:

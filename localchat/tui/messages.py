@@ -24,6 +24,7 @@ class ModelProgressed(Message):
 @dataclass
 class ModelLoaded(Message):
     info: ModelInfo
+    notices: tuple[str, ...] = ()  # one-line notes from loading (slow CPU path, rebuilt files)
 
 
 @dataclass
