@@ -153,12 +153,13 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None =
             return
         shutil.rmtree(out, ignore_errors=True)  # a leftover without config.json is not a model
         os.replace(tmp, out)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:  # RuntimeError: MLX's writer on a full disk
         if (out / "config.json").is_file():  # lost a race to a concurrent set-up: fine
             shutil.rmtree(tmp, ignore_errors=True)
             return
         shutil.rmtree(tmp, ignore_errors=True)
-        raise StorageError(f"cannot write the model to {out}: {err.strerror or err}") from None
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise StorageError(f"cannot write the model to {out}: {reason}") from None
 
 
 def _mlx_name(name: str) -> str:

@@ -22,6 +22,7 @@ This module handles plain (trimmable) KV caches; ``snapshot.py`` covers the othe
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -334,11 +335,31 @@ def write_tensors(folder: Path, prefix: str, tensors: dict, taken: set[str] = fr
     nums = [int(n[width : width + 6]) for n in names if n[width : width + 6].isdigit()]
     name = f"{prefix}-{max(nums, default=0) + 1:06d}.safetensors"
     tmp = folder / f".tmp-{name}"  # mx.save_safetensors wants the .safetensors suffix
-    mx.save_safetensors(str(tmp), tensors)
-    data = tmp.read_bytes()
-    fsync_file(tmp)
-    os.replace(tmp, folder / name)
+    try:
+        try:
+            mx.save_safetensors(str(tmp), tensors)
+        except RuntimeError as err:
+            raise write_error(folder, err) from None
+        data = tmp.read_bytes()
+        fsync_file(tmp)
+        os.replace(tmp, folder / name)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also keep a half-written file
+        raise
     return name, zlib.crc32(data), len(data)
+
+
+def write_error(folder: Path, err: RuntimeError) -> OSError:
+    """MLX's writer raises RuntimeError ("[write] Unable to write N bytes to file.") where
+    Python would raise OSError; name the likely cause the way the OS would."""
+    try:
+        st = os.statvfs(folder)
+        full = st.f_bavail * st.f_frsize < 1 << 20
+    except OSError:
+        full = False
+    if full:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return OSError(errno.EIO, str(err).splitlines()[0] if str(err) else "write failed")
 
 
 def fsync_file(path: Path) -> None:
@@ -351,11 +372,15 @@ def fsync_file(path: Path) -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     try:
         dfd = os.open(path.parent, os.O_RDONLY)
         try:

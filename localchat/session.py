@@ -358,7 +358,14 @@ class Session:
 
     def _persist(self, conv, store: KVStore, geometry, fed_candidates: list[int], cache,
                  reply: str, partial: bool, notices: list[str] | None = None) -> int:
-        """Write the cache (segments, then manifest), then the reply. Returns bytes written."""
+        """Save the reply, then write the cache (segments, then manifest). Returns bytes written.
+
+        The reply goes first: it is what the user cannot get back, while a cache that is not
+        written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
+        the previous manifest still describes valid segments.
+        """
+        if reply:  # an empty reply (stopped before any text) is not worth a message
+            self.store.add_message(conv, "assistant", reply, partial=partial)
         n = cache_offset(cache)
         fed = fed_candidates[:n]
         written = 0
@@ -368,13 +375,10 @@ class Session:
             else:
                 written = save_snapshot(store, geometry, fed, cache)
             self._live = _Live(conv.id, geometry.fingerprint, fed, cache)
-        except OSError as err:
-            # The previous manifest still describes valid segments: the cache is only behind.
+        except OSError as err:  # kvstore turns MLX's RuntimeError on a failed write into this
             self._live = None
             if notices is not None:
                 notices.append(f"cache not saved ({err.strerror or err}); it will be rebuilt")
-        if reply:  # an empty reply (stopped before any text) is not worth a message
-            self.store.add_message(conv, "assistant", reply, partial=partial)
         try:
             self.store.update(conv, tokens=n)
         except StorageError:

@@ -1,6 +1,6 @@
 """The real embedded default model, end to end through the CLI (slow: converts ~100 MB).
 
-Run with ``pytest -m slow``.
+Part of the default run (and CI); ``pytest -m "not slow"`` skips it.
 """
 
 import json

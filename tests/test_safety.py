@@ -40,9 +40,23 @@ def messages(store, name):
 
 
 def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
-    """Run the next turn from disk, and the same turn with no cache on a copy: same tokens."""
+    """Run the next turn from disk, and the same turn with no cache on a copy: same tokens.
+
+    Returns (resumed turn, notices, tokens the disk cache could give): the last is the common
+    prefix of the manifest's tokens before the turn and the turn's rendering, i.e. the exact
+    ``cached_tokens`` of a turn that reuses the surviving cache.
+    """
+    from localchat.kvstore import CacheInvalid, KVStore, common_prefix
+
     conv = store.get(name)
     before = store.messages(conv)
+    try:
+        man = KVStore(paths.kv_root() / str(conv.id)).manifest()
+    except CacheInvalid:
+        man = None
+    history = [{"role": m.role, "content": m.content} for m in before]
+    rendered = engine.render(history + [{"role": "user", "content": prompt}])
+    reusable = min(common_prefix(man.tokens, rendered), len(rendered) - 1) if man else 0
     fresh = Session(store, engine, paths.kv_root(), paths.locks_dir())
     events = list(fresh.turn(conv, prompt, max_tokens=12))
     resumed = [e for e in events if isinstance(e, TurnFinished)][0]
@@ -53,17 +67,19 @@ def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
     ref_events = Session(store, engine, paths.kv_root(), paths.locks_dir()).turn(
         ref, prompt, max_tokens=12, no_cache=True)
     reference = [e for e in ref_events if isinstance(e, TurnFinished)][0]
+    assert len(reference.tokens) >= 4  # two EOS-only replies would prove nothing
     assert resumed.tokens == reference.tokens
-    return resumed, notices
+    return resumed, notices, reusable
 
 
 @pytest.mark.parametrize("mode, reply_kept", [
-    ("kill-prefill", False), ("kill-decode", False), ("kill-segment", False),
-    ("kill-manifest", False), ("kill-reply", False),
+    ("kill-prefill", False), ("kill-decode", False), ("kill-reply", False),
+    # The reply is saved before the cache is written, so a kill there keeps it.
+    ("kill-segment", True), ("kill-manifest", True),
 ])
 def test_sigkill_keeps_messages_and_a_consistent_cache(home, tiny_model, store, engine,
                                                        mode, reply_kept):
-    ok = cli(home, *ask_args(tiny_model, "k", "Hello"))
+    ok = cli(home, *ask_args(tiny_model, "k", "Hello", "--json"))
     assert ok.returncode == 0, ok.stderr
     first = messages(store, "k")
     killed = cli(home, *ask_args(tiny_model, "k", "Second question"), mode=mode)
@@ -72,9 +88,14 @@ def test_sigkill_keeps_messages_and_a_consistent_cache(home, tiny_model, store, 
     # Every completed message is there, and the new prompt was saved before any model work.
     assert after[: len(first)] == first
     assert after[len(first)] == ("user", "Second question", False)
-    assert len(after) == len(first) + 1
-    resumed, notices = next_turn_matches_full_prefill(store, engine, "k")
-    assert resumed.usage.cached_tokens > 0 or notices
+    assert len(after) == len(first) + 1 + reply_kept
+    if reply_kept:
+        assert after[-1][0] == "assistant" and after[-1][1] and not after[-1][2]
+    # The first turn's cache survived every kill point: reused exactly, without a notice.
+    resumed, notices, reusable = next_turn_matches_full_prefill(store, engine, "k")
+    assert notices == []
+    first_prompt = json.loads(ok.stdout)["usage"]["prompt_tokens"]
+    assert resumed.usage.cached_tokens == reusable >= first_prompt
     # No temp files or orphan segments survive the next commit.
     folder = paths.kv_root() / str(store.get("k").id)
     man = json.loads((folder / MANIFEST).read_text())
@@ -141,6 +162,10 @@ def test_damaged_cache_rebuilds_with_the_same_reply(home, tiny_model, store, eng
     store.delete_messages_from(store.get("d"), len(kept) + 1)
     ref = cli(home, *ask_args(tiny_model, "d", "What now?", "--json", "--no-cache"))
     assert json.loads(ref.stdout)["reply"] == json.loads(run.stdout)["reply"]
+    assert json.loads(ref.stdout)["usage"]["completion_tokens"] >= 4
+    # The rebuilt cache is sound: the following turn reuses it and equals a full prefill.
+    resumed, notices, reusable = next_turn_matches_full_prefill(store, engine, "d")
+    assert notices == [] and resumed.usage.cached_tokens == reusable > 0
 
 
 def test_second_process_waits_then_fails_clearly(home, tiny_model, store):
@@ -160,35 +185,106 @@ def test_second_process_waits_then_fails_clearly(home, tiny_model, store):
 def test_two_asks_at_once_both_land_in_order(home, tiny_model, store):
     assert cli(home, *ask_args(tiny_model, "two", "Hello")).returncode == 0
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
-    procs = [subprocess.Popen([sys.executable, "-m", "localchat",
-                               *ask_args(tiny_model, "two", f"question {i}")],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for i in range(2)]
-    assert all(p.wait(timeout=60) == 0 for p in procs)
-    roles = [m[0] for m in messages(store, "two")]
-    assert roles == ["user", "assistant"] * 3  # whole turns, never interleaved
+    slow = subprocess.Popen(
+        [sys.executable, HELPER, "slow-decode", "--", "ask", "-m", str(tiny_model), "-c", "two",
+         "--max-tokens", "40", "question 0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert slow.stdout.read(1)  # its reply is streaming: it holds the conversation now
+    second = subprocess.run([sys.executable, "-m", "localchat",
+                             *ask_args(tiny_model, "two", "question 1")],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert slow.wait(timeout=120) == 0 and second.returncode == 0, second.stderr
+    assert "waiting for another localchat using 'two'" in second.stderr  # they did overlap
+    stored = messages(store, "two")
+    assert [m[0] for m in stored] == ["user", "assistant"] * 3  # whole turns, in order
+    assert [m[1] for m in stored if m[0] == "user"] == ["Hello", "question 0", "question 1"]
 
 
-def test_disk_full_keeps_the_text_and_rebuilds_later(home, store, engine, monkeypatch):
-    from localchat import kvstore
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 16 MB filesystem (tmpfs) at a fresh folder; needs root, as CI has."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("a real small filesystem needs root (mount -t tmpfs)")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
-    session = Session(store, engine, paths.kv_root(), paths.locks_dir())
-    conv = store.create("full", engine.ref.name)
-    list(session.turn(conv, "Hello", max_tokens=8))
 
-    def no_space(*a, **kw):
-        raise OSError(28, "No space left on device")
+def fill(folder: Path, leave: int) -> Path:
+    """Fill the filesystem of ``folder`` until ``leave`` bytes are free; return the filler."""
+    filler = folder / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    while True:
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+        if free >= leave:
+            return filler
+        os.truncate(filler, max(filler.stat().st_size - 16384, 0))
 
-    with monkeypatch.context() as patch:
-        patch.setattr(kvstore.KVStore, "_write_segment", no_space)
-        events = list(session.turn(conv, "Second", max_tokens=8))
-    notes = [e.text for e in events if isinstance(e, Notice)]
-    assert notes == ["cache not saved (No space left on device); it will be rebuilt"]
-    done = [e for e in events if isinstance(e, TurnFinished)][0]
-    assert [m.content for m in store.messages(conv)][-2:] == ["Second", done.reply]
-    # The older manifest still describes valid segments: the next turn resumes from them.
-    resumed, notices = next_turn_matches_full_prefill(store, engine, "full")
-    assert notices == [] and resumed.usage.cached_tokens > 0
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """4 KB of KV per token, so a turn's segment is larger than a nearly full disk allows."""
+    from tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "wide", layers=4, hidden=256,
+                            heads=8, kv_heads=8)
+
+
+def test_real_full_disk_keeps_every_reply_and_recovers(small_fs, wide_model):
+    home = small_fs / "home"
+    long = "Tell me about the museum, the train and the weather in Seoul. " * 6
+    first = cli(home, *ask_args(wide_model, "full", long, "--json"))
+    assert first.returncode == 0, first.stderr
+    folder = home / "kv" / "1"
+    kept_tokens = json.loads((folder / MANIFEST).read_text())["tokens"]
+    filler = fill(small_fs, leave=160_000)
+    replies = [json.loads(first.stdout)["reply"]]
+    for i in range(3):
+        run = cli(home, *ask_args(wide_model, "full", f"{i}: {long}", "--json"))
+        assert run.returncode == 0, run.stderr
+        assert run.stderr.splitlines() == [
+            "localchat: cache not saved (No space left on device); it will be rebuilt"]
+        replies.append(json.loads(run.stdout)["reply"])
+        # The manifest on disk is still the first turn's; no partial file stays.
+        assert json.loads((folder / MANIFEST).read_text())["tokens"] == kept_tokens
+        assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    shown = json.loads(cli(home, "show", "full", "--json").stdout)["messages"]
+    assert [m["content"] for m in shown if m["role"] == "assistant"] == replies
+    assert all(len(r) > 3 for r in replies)
+
+    filler.unlink()  # space comes back: the next turn resumes the first turn's cache
+    run = cli(home, *ask_args(wide_model, "full", "And now?", "--json"))
+    assert run.returncode == 0 and run.stderr == ""
+    usage = json.loads(run.stdout)["usage"]
+    assert usage["cached_tokens"] >= json.loads(first.stdout)["usage"]["prompt_tokens"]
+    # The same turn, fully prefilled, gives the same reply.
+    twin = cli(home, *ask_args(wide_model, "twin", "x", "--json"))  # make it, then copy
+    assert twin.returncode == 0
+    store_path = home / "localchat.db"
+    import sqlite3
+
+    db = sqlite3.connect(store_path)
+    db.execute("DELETE FROM messages WHERE conversation_id = 2")
+    db.execute("INSERT INTO messages (conversation_id, seq, role, content, partial, created) "
+               "SELECT 2, seq, role, content, partial, created FROM messages "
+               "WHERE conversation_id = 1 AND seq < (SELECT MAX(seq) - 1 FROM messages "
+               "WHERE conversation_id = 1)")
+    db.commit()
+    db.close()
+    ref = cli(home, *ask_args(wide_model, "twin", "And now?", "--json", "--no-cache"))
+    assert json.loads(ref.stdout)["reply"] == json.loads(run.stdout)["reply"]
 
 
 def test_context_full_is_refused_before_anything_is_stored(home, tiny_model, store):
@@ -228,6 +324,7 @@ def test_ctrl_c_mid_reply_saves_the_partial_reply(home, tiny_model, store, engin
     last = messages(store, "int")[-1]
     assert last[0] == "assistant" and last[2] is True and last[1]
     conv = store.get("int")
-    man = json.loads((paths.kv_root() / str(conv.id) / MANIFEST).read_text())
-    assert len(man["tokens"]) == conv.tokens
-    next_turn_matches_full_prefill(store, engine, "int")
+    # The cache holds what was fed before the stop, and the next turn reuses all of it.
+    resumed, notices, reusable = next_turn_matches_full_prefill(store, engine, "int")
+    assert notices == [] and resumed.usage.cached_tokens == reusable
+    assert reusable > len(engine.render([{"role": "user", "content": "Hello"}]))

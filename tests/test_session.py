@@ -153,3 +153,35 @@ def test_damaged_cache_is_rebuilt_with_the_same_reply(store, engine, session):
         # The rebuilt cache is good again: the next turn hits it.
         again, notes = run(restart(store, engine), conv, "Thanks")
         assert notes == [] and again.usage.cached_tokens > 0
+
+
+def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session):
+    """The tiny model's greedy reply depends on its context, so "equals a full prefill" is
+    a real check: two histories give two replies, and a cache with wrong K/V (damage that
+    slips past the checksum because we fix the checksum up) gives another reply."""
+    import zlib
+
+    a, b = store.create("ctl-a", engine.ref.name), store.create("ctl-b", engine.ref.name)
+    run(session, a, "Hello, how are you today?")
+    run(session, b, "The capital of France is Paris.")
+    ra, _ = run(restart(store, engine), a, "Tell me more.")
+    rb, _ = run(restart(store, engine), b, "Tell me more.")
+    assert len(ra.tokens) >= 8 and len(rb.tokens) >= 8 and ra.tokens != rb.tokens
+
+    conv = store.create("ctl-damaged", engine.ref.name)
+    run(session, conv, "Hello, how are you today?")
+    before = store.messages(conv)
+    folder = session.kvstore(conv).folder
+    man = json.loads((folder / "manifest.json").read_text())
+    seg = folder / man["segments"][0]["file"]
+    data = bytearray(seg.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    for i in range(header, len(data), 7):  # scramble the stored K/V, keep the header valid
+        data[i] ^= 0x5A
+    seg.write_bytes(bytes(data))
+    man["segments"][0]["crc32"] = zlib.crc32(bytes(data))
+    (folder / "manifest.json").write_text(json.dumps(man))
+    wrong, notes = run(restart(store, engine), conv, "Tell me more.")
+    assert notes == [] and wrong.usage.cached_tokens > 0  # it was used
+    reference = full_prefill_reply(store, engine, conv, "Tell me more.", before)
+    assert wrong.tokens != reference.tokens

@@ -87,12 +87,18 @@ async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
         stored = app.store.messages(app.current)
         assert stored[-1].partial and 0 < len(stored[-1].content) < len(long)
         assert "(stopped)" in replies(app)[-1]
+        from localchat.kvstore import common_prefix
+
         manifest = app.session.kvstore(app.current).manifest()
-        # The cache holds the prompt and exactly the reply tokens that were fed.
-        assert len(manifest.tokens) == app.current.tokens
+        history = [{"role": m.role, "content": m.content} for m in stored]
+        rendered = app.session.engine.render(history + [{"role": "user", "content": "Go on"}])
         await type_and_send(pilot, "Go on")
         await settle(app, pilot)
         assert replies(app)[-1] == "next"
+        # The stopped turn's cache is reused as far as the rendering agrees with it.
+        usage = app.query_one(StatusBar).usage
+        assert usage.cached_tokens == common_prefix(manifest.tokens, rendered) > 20
+        assert not usage.miss_reason.startswith("cache rebuilt")
         assert "cached" in status_text(app)
 
 

@@ -35,6 +35,7 @@ class StatusBar(Static):
     context: reactive[tuple[int, int]] = reactive((0, 0))
     last_turn: reactive[str] = reactive("")
     activity: reactive[str] = reactive("")  # prefill progress, model set-up
+    usage: Usage | None = None  # the last turn's figures (what ``last_turn`` shows)
 
     def render(self) -> str:
         used, length = self.context
@@ -48,6 +49,7 @@ class StatusBar(Static):
         return " · ".join(parts)
 
     def show_usage(self, usage: Usage) -> None:
+        self.usage = usage  # the last turn's figures, as shown
         self.context = (usage.context_tokens, usage.context_length)
         self.last_turn = describe(usage)
         self.activity = ""
