@@ -22,13 +22,15 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BadInput, LocalchatError
+from .events import Notice, TurnFinished, Usage
 from .fmt import StatusLine
 from .prefixes import PrefixPool
-from .session import Notice, Session, TurnFinished
+from .session import Session, TurnOptions
 
 
 @dataclass(frozen=True)
@@ -80,59 +82,68 @@ def parse_line(text: str, line: int) -> Job:
     return Job(line, job_id, msgs, None, None, max_tokens)
 
 
-def run_batch(args) -> int:
-    from .cli import open_session, open_store
+@dataclass(frozen=True)
+class BatchOptions:
+    max_tokens: int = 256
+    temp: float = 0.0
+    parallel: int = 1  # decode up to N consecutive prompt lines together
 
-    if args.parallel < 1:
-        raise BadInput("--parallel must be at least 1")
-    lines = _read_lines(args.file)
-    out_path = Path(args.output) if args.output else None
-    done_ids = _done_ids(out_path) if (args.resume and out_path) else set()
-    items: list[Job | dict] = []  # in input order: jobs to run, or ready error records
+
+@dataclass(frozen=True)
+class BatchResult:
+    """One output line: a reply with its usage, or an error."""
+
+    id: object
+    line: int
+    reply: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    def to_json(self) -> dict:
+        if self.error is not None:
+            return {"id": self.id, "line": self.line, "error": self.error}
+        return {"id": self.id, "reply": self.reply, "usage": self.usage.public()}
+
+
+def parse_lines(lines: list[str], skip_ids: set = frozenset()) -> list[Job | BatchResult]:
+    """Input lines → jobs to run, or ready error records, in input order."""
+    items: list[Job | BatchResult] = []
     for n, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             job = parse_line(text, n)
         except BadInput as err:
-            items.append({"id": _peek_id(text), "line": n, "error": str(err)})
+            items.append(BatchResult(_peek_id(text), n, error=str(err)))
             continue
-        if job.id not in done_ids:
+        if job.id not in skip_ids:
             items.append(job)
-    store = open_store()
-    session = open_session(store, args.model)
+    return items
+
+
+def run_batch(session: Session, items: list[Job | BatchResult], options: BatchOptions,
+              notice: Callable[[int, str], None] | None = None) -> Iterator[BatchResult]:
+    """One result per item, in order (errors included); ``notice(line, text)`` gets notices.
+
+    Prompt lines share prefixes through one ``PrefixPool``; ``conversation`` lines are real
+    turns of saved conversations. With ``options.parallel > 1`` runs of consecutive prompt
+    lines are decoded together (models whose every layer grows; others one at a time).
+    """
+    if options.parallel < 1:
+        raise BadInput("--parallel must be at least 1")
     pool = PrefixPool(session.engine.new_cache)
-    out = open(out_path, "a" if args.resume else "w", encoding="utf-8") if out_path else sys.stdout
-    progress = _Progress(len(items), enabled=sys.stderr.isatty() and not args.quiet)
-    failed = 0
-    try:
-        i = 0
-        while i < len(items):
-            group = _parallel_group(items, i, args.parallel)
-            if group:
-                results = _run_group(session, pool, group, args)
-            else:
-                item = items[i]
-                results = [item if isinstance(item, dict) else
-                           _run_job(session, store, pool, item, args)]
-            for result in results:
-                failed += "error" in result
-                out.write(json.dumps(result, ensure_ascii=False) + "\n")
-                out.flush()
-                progress.step(result.get("usage", {}).get("completion_tokens", 0))
-            i += len(results)
-    except KeyboardInterrupt:
-        progress.clear()
-        print("localchat: batch interrupted; results so far are in the output "
-              "(run again with --resume)", file=sys.stderr)
-        return 130
-    finally:
-        progress.clear()
-        if out is not sys.stdout:
-            out.close()
-    if failed:
-        print(f"localchat: {failed} of {len(items)} lines failed", file=sys.stderr)
-    return 1 if failed else 0
+    size = options.parallel if session.engine.info().cut_anywhere else 1
+    i = 0
+    while i < len(items):
+        group = _parallel_group(items, i, size)
+        if group:
+            results = _run_group(session, pool, group, options)
+        else:
+            item = items[i]
+            results = [item if isinstance(item, BatchResult) else
+                       _run_job(session, pool, item, options, notice)]
+        yield from results
+        i += len(results)
 
 
 def _parallel_group(items: list, start: int, size: int) -> list[Job]:
@@ -145,44 +156,44 @@ def _parallel_group(items: list, start: int, size: int) -> list[Job]:
     return group if len(group) > 1 else []
 
 
-def _run_group(session: Session, pool, group: list[Job], args) -> list[dict]:
+def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
+               ) -> list[BatchResult]:
     from .parallel import complete_group
 
-    limits = [job.max_tokens or args.max_tokens for job in group]
+    limits = [job.max_tokens or options.max_tokens for job in group]
     outcomes = complete_group(session, [job.messages for job in group], pool, limits,
-                              args.temp)
+                              options.temp)
     results = []
     for job, outcome in zip(group, outcomes):
         if isinstance(outcome, LocalchatError):
-            results.append({"id": job.id, "line": job.line, "error": str(outcome)})
+            results.append(BatchResult(job.id, job.line, error=str(outcome)))
         elif isinstance(outcome, Exception):
             raise outcome
         else:
             reply, usage = outcome
-            results.append({"id": job.id, "reply": reply, "usage": usage.public()})
+            results.append(BatchResult(job.id, job.line, reply, usage))
     return results
 
 
-def _run_job(session: Session, store, pool, job: Job, args) -> dict:
-    max_tokens = job.max_tokens or args.max_tokens
-    n = job.line
+def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) -> BatchResult:
+    turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp)
     try:
         if job.conversation is not None:
-            conv = store.get(job.conversation)
-            if conv.model != session.engine.ref.name:
+            conv = session.store.get(job.conversation)
+            if conv.model != session.model_name:
                 raise BadInput(f"conversation {conv.name!r} uses model {conv.model}; "
                                f"run the batch with -m {conv.model}")
-            events = session.turn(conv, job.prompt, max_tokens=max_tokens, temp=args.temp)
+            events = session.turn(conv, job.prompt, turn)
         else:
-            events = session.complete(job.messages, pool, max_tokens=max_tokens, temp=args.temp)
+            events = session.complete(job.messages, pool, turn)
         for ev in events:
-            if isinstance(ev, Notice) and not args.quiet:
-                print(f"localchat: line {n}: {ev.text}", file=sys.stderr)
+            if isinstance(ev, Notice) and notice is not None:
+                notice(job.line, ev.text)
             elif isinstance(ev, TurnFinished):
-                return {"id": job.id, "reply": ev.reply, "usage": ev.usage.public()}
+                return BatchResult(job.id, job.line, ev.reply, ev.usage)
     except LocalchatError as err:
-        return {"id": job.id, "line": n, "error": str(err)}
-    return {"id": job.id, "line": n, "error": "no reply"}
+        return BatchResult(job.id, job.line, error=str(err))
+    return BatchResult(job.id, job.line, error="no reply")
 
 
 _ID = re.compile(r'"id"\s*:\s*("(?:[^"\\]|\\.)*"|-?\d+)')
@@ -198,7 +209,7 @@ def _peek_id(text: str):
         return json.loads(found.group(1)) if found else None
 
 
-def _read_lines(file: str) -> list[str]:
+def read_lines(file: str) -> list[str]:
     try:
         data = sys.stdin.buffer.read() if file == "-" else Path(file).read_bytes()
     except OSError as err:
@@ -209,7 +220,7 @@ def _read_lines(file: str) -> list[str]:
         raise BadInput(f"{file} is not valid UTF-8 (byte {err.start})") from None
 
 
-def _done_ids(path: Path) -> set:
+def done_ids(path: Path) -> set:
     """Ids with a result line in an earlier, perhaps interrupted, output file.
 
     A torn last line (a kill mid-write) is cut off so that appending keeps the file JSONL.
@@ -232,7 +243,7 @@ def _done_ids(path: Path) -> set:
     return ids
 
 
-class _Progress:
+class Progress:
     """done/total, tok/s and ETA of a batch on one status line."""
 
     def __init__(self, total: int, enabled: bool):

@@ -15,9 +15,9 @@ import sys
 from collections.abc import Callable
 
 from . import paths
-from .errors import BadInput, LocalchatError, StorageError
-from .fmt import StatusLine, human_bytes
-from .models import DEFAULT_MODEL, say
+from .errors import BadInput, LocalchatError
+from .fmt import StatusLine, human_bytes, say
+from .models import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    edit = a.add_mutually_exclusive_group()
+    edit.add_argument("--regenerate", action="store_true",
+                      help="drop the last reply of -c NAME and answer its last message again")
+    edit.add_argument("--edit-last", action="store_true",
+                      help="replace the last message of -c NAME by PROMPT and answer it")
 
     b = add("batch", cmd_batch)
     b.add_argument("file", metavar="FILE.jsonl", help="input lines; '-' reads stdin")
@@ -108,15 +113,14 @@ def open_store():
     return Store.open(paths.database_path())
 
 
-def open_session(store, model: str | None):
-    from .engine import Engine
-    from .session import Session
+def open_session(model: str | None):
+    """The session of every command that runs a model; loading notices go to stderr."""
+    from .session import open_session as open_
 
-    engine = Engine.load(model, progress=say)
-    for text in engine.notices:
+    session = open_(model, progress=say)
+    for text in session.engine.notices:
         say(text)
-    timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
-    return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout=timeout)
+    return session
 
 
 def read_prompt(arg: str | None) -> str:
@@ -166,49 +170,35 @@ def cmd_ask(args) -> int:
     Without -c a new conversation is made and its name printed to stderr. The conversation's
     KV cache comes back from disk, so only the new message is prefilled. Ctrl-C stops the
     reply: what was generated is saved (marked partial) and the cache matches it.
+    --regenerate answers the last message again; --edit-last replaces it by PROMPT; both
+    reuse the cache up to that message.
     """
-    from .session import Notice, PrefillProgress, ReplyChunk, TurnFinished
+    from .session import Cancel, TurnOptions
 
-    prompt = read_prompt(args.prompt)
+    if (args.regenerate or args.edit_last) and not args.conversation:
+        raise BadInput("--regenerate and --edit-last need -c NAME")
+    prompt = None if args.regenerate else read_prompt(args.prompt)
     if args.max_tokens < 1:
         raise BadInput("--max-tokens must be at least 1")
     store = open_store()
-    conv = store.find(args.conversation) if args.conversation else None
-    model = args.model or (conv.model if conv else None)
-    session = open_session(store, model)
-    model_name = session.engine.ref.name
-    if conv is None:
-        name = args.conversation or store.unique_name()
-        conv = store.create(name, model_name, args.system)
-        if not args.conversation:
-            print(f"conversation: {name}", file=sys.stderr)
+    known = store.find(args.conversation) if args.conversation else None
+    store.close()
+    if (args.regenerate or args.edit_last) and known is None:
+        raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
+    session = open_session(args.model or (known.model if known else None))
+    conv = session.conversation(args.conversation, system=args.system)
+    if not args.conversation:
+        print(f"conversation: {conv.name}", file=sys.stderr)
+    options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
+                          no_cache=args.no_cache)
+    cancel = Cancel()
+    if args.regenerate:
+        events = session.regenerate(conv, options, cancel)
+    elif args.edit_last:
+        events = session.edit_last(conv, prompt, options, cancel)
     else:
-        changes = {}
-        if conv.model != model_name:
-            changes["model"] = model_name
-        if args.system is not None and args.system != conv.system:
-            changes["system"] = args.system
-        if changes:
-            conv = store.update(conv, **changes)
-
-    progress = StatusLine(enabled=sys.stderr.isatty())
-    finished = None
-    with _GracefulInterrupt(session.stop):
-        for ev in session.turn(conv, prompt, max_tokens=args.max_tokens, temp=args.temp,
-                               seed=args.seed, no_cache=args.no_cache):
-            if isinstance(ev, ReplyChunk):
-                progress.clear()
-                if not args.json:
-                    sys.stdout.write(ev.text)
-                    sys.stdout.flush()
-            elif isinstance(ev, PrefillProgress):
-                progress.show(f"prefill {ev.done}/{ev.total} tokens")
-            elif isinstance(ev, Notice):
-                progress.clear()
-                print(f"localchat: {ev.text}", file=sys.stderr)
-            elif isinstance(ev, TurnFinished):
-                finished = ev
-    progress.clear()
+        events = session.turn(conv, prompt, options, cancel)
+    finished = _print_turn(events, args.json, cancel)
     if args.json:
         out = {"conversation": conv.name, "reply": finished.reply,
                "usage": finished.usage.public()}
@@ -225,6 +215,30 @@ def cmd_ask(args) -> int:
     return 130 if finished.stopped else 0
 
 
+def _print_turn(events, as_json: bool, cancel):
+    """Stream a turn's events to stdout/stderr; return its TurnFinished."""
+    from .events import Notice, PrefillProgress, ReplyChunk, TurnFinished
+
+    progress = StatusLine(enabled=sys.stderr.isatty())
+    finished = None
+    with _GracefulInterrupt(cancel.set):
+        for ev in events:
+            if isinstance(ev, ReplyChunk):
+                progress.clear()
+                if not as_json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+            elif isinstance(ev, PrefillProgress):
+                progress.show(f"prefill {ev.done}/{ev.total} tokens")
+            elif isinstance(ev, Notice):
+                progress.clear()
+                print(f"localchat: {ev.text}", file=sys.stderr)
+            elif isinstance(ev, TurnFinished):
+                finished = ev
+    progress.clear()
+    return finished
+
+
 def cmd_chat(args) -> int:
     """Open the chat app (the default command)."""
     from .tui.app import run_app
@@ -235,9 +249,44 @@ def cmd_chat(args) -> int:
 
 def cmd_batch(args) -> int:
     """Run many prompts from a JSONL file; one JSON result line per input line, in order."""
-    from .batch import run_batch
+    from pathlib import Path
 
-    return run_batch(args)
+    from .batch import BatchOptions, Progress, done_ids, parse_lines, read_lines, run_batch
+
+    options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel)
+    if options.parallel < 1:
+        raise BadInput("--parallel must be at least 1")
+    lines = read_lines(args.file)
+    out_path = Path(args.output) if args.output else None
+    skip = done_ids(out_path) if (args.resume and out_path) else set()
+    items = parse_lines(lines, skip)
+    session = open_session(args.model)
+
+    def notice(line: int, text: str) -> None:
+        if not args.quiet:
+            print(f"localchat: line {line}: {text}", file=sys.stderr)
+
+    out = open(out_path, "a" if args.resume else "w", encoding="utf-8") if out_path else sys.stdout
+    progress = Progress(len(items), enabled=sys.stderr.isatty() and not args.quiet)
+    failed = 0
+    try:
+        for result in run_batch(session, items, options, notice):
+            failed += result.error is not None
+            out.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+            out.flush()
+            progress.step(result.usage.completion_tokens if result.usage else 0)
+    except KeyboardInterrupt:
+        progress.clear()
+        print("localchat: batch interrupted; results so far are in the output "
+              "(run again with --resume)", file=sys.stderr)
+        return 130
+    finally:
+        progress.clear()
+        if out is not sys.stdout:
+            out.close()
+    if failed:
+        print(f"localchat: {failed} of {len(items)} lines failed", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_list(args) -> int:
@@ -313,9 +362,11 @@ def cmd_export(args) -> int:
 
 def cmd_rm(args) -> int:
     """Delete a conversation, its messages and its KV cache."""
+    from .session import delete_conversation
+
     store = open_store()
     conv = store.get(args.name)
-    store.delete(conv)
+    delete_conversation(store, conv)
     print(f"deleted {conv.name}", file=sys.stderr)
     return 0
 
@@ -333,7 +384,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    """What the KV cache costs for a model: geometry, bytes per token, bytes on disk."""
+    """What the KV cache costs for a model: layer mix, bytes per token, state, bytes on disk."""
     from . import backend
     from .engine import Engine
     from .kvstore import CacheInvalid, KVStore
@@ -354,27 +405,37 @@ def cmd_inspect(args) -> int:
                 man = kv.manifest()
             except CacheInvalid:
                 continue
-            if man and man.geometry.fingerprint == engine.fingerprint:
+            if man and man.layout.fingerprint == engine.cache_fingerprint:
                 mine += size
                 tokens += len(man.tokens)
-    out = {**info.__dict__, "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
+    layout = engine.layout()
+    out = {**info.__dict__, "unknown": list(info.unknown),
+           "growing_layers": len(layout.growing),
+           "bounded_layers": len(layout.leaves) - len(layout.growing),
+           "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
            "all_caches_bytes_on_disk": total, "blas": blas}
     if args.json:
         print(json.dumps(out))
         return 0
+    widths = sorted({(s.k_shape, s.v_shape) for s in layout.growing})
+    shapes = ", ".join(f"K {k[0]}x{k[1]} + V {v[0]}x{v[1]}" for k, v in widths)
     rows = [
-        ("model", info.name), ("layers", info.layers), ("heads", info.heads),
+        ("model", info.name), ("layers", info.layer_mix), ("heads", info.heads),
         ("kv_heads", info.kv_heads), ("head_dim", info.head_dim), ("kv_dtype", info.kv_dtype),
-        ("kv_bytes_per_token", f"{info.kv_bytes_per_token:,} "
-         f"(2 x {info.layers} x {info.kv_heads} x {info.head_dim} x "
-         f"{info.kv_bytes_per_token // (2 * info.layers * info.kv_heads * info.head_dim)} B)"),
+        ("kv_bytes_per_token", f"{info.kv_bytes_per_token:,} B (growing layers"
+         + (f": {shapes}" if shapes else "") + ")"),
+        ("state_bytes", f"{info.state_bytes:,} B per checkpoint (bounded layers; "
+         "independent of the history)" if info.state_bytes else "0 (every layer grows)"),
         ("context_length", f"{info.context_length:,} tokens "
-         f"= {human_bytes(info.context_length * info.kv_bytes_per_token)} of KV cache"),
+         f"= {human_bytes(info.context_length * info.kv_bytes_per_token)} of growing KV"),
         ("cache on disk", f"{human_bytes(mine)} for {tokens:,} tokens of this model"
          + (f" ({mine / tokens:,.0f} B/token)" if tokens else "")),
         ("all caches", human_bytes(total)),
         ("matmuls", blas),
     ]
+    if info.unknown:
+        rows.append(("not kept", f"cache classes {', '.join(info.unknown)}: full prefill "
+                     "every turn"))
     for k, v in rows:
         print(f"{k:<20} {v}")
     return 0
@@ -383,8 +444,4 @@ def cmd_inspect(args) -> int:
 def entry() -> None:
     """Console-script entry point."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        sys.exit(main())
-    except StorageError as err:
-        print(f"localchat: error: {err}", file=sys.stderr)
-        sys.exit(1)
+    sys.exit(main())

@@ -4,21 +4,25 @@ What it is: the only module that runs the model. It knows nothing of conversatio
 UIs; ``session.py`` drives it. What it is not: a sampler zoo or a server.
 
 Invariant kept for the session: after ``prefill`` and ``decode`` the KV cache holds exactly
-the tokens fed to the model, so ``cache_offset(cache)`` is the length of the cached token list.
-``decode`` feeds each yielded token before yielding the next one, and never feeds the token
-that ends the reply (EOS or the last allowed token): the next turn prefills it.
+the tokens fed to the model, so ``cachekinds.position(cache)`` is the length of the cached
+token list.
+``decode`` feeds each yielded token before yielding the next one; it never feeds an EOS (the
+next turn prefills it, as the template renders it), and feeds the last allowed token only
+when the caller reads on after it.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from . import backend
+from . import cachekinds as ck
 from .errors import ModelBroken
-from .models import ModelRef, fingerprint, resolve
+from .kvstore import Layout, common_prefix
+from .models import ModelRef, model_digest, resolve
 from .paths import cpu_weights_dir
 
 PREFILL_CHUNK = 512
@@ -26,33 +30,41 @@ PREFILL_CHUNK = 512
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """What the KV cache of a model costs; shown by ``localchat inspect`` and the status bar."""
+    """What the KV cache of a model costs; shown by ``localchat inspect`` and the status bar.
+
+    Read from the real cache objects (``cachekinds.py``). ``kv_heads`` and ``head_dim`` are
+    those of the first growing layer (for MLA: one latent "head" of the latent width).
+    """
 
     name: str
     path: str
-    fingerprint: str
+    model_digest: str
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     kv_dtype: str
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # growing layers only: what each token adds on disk
+    state_bytes: int  # bounded layers: the size of one checkpoint, whatever the history
+    layer_mix: str  # e.g. "26 layers: 22 sliding (window 512), 4 global"
     context_length: int
-    trimmable: bool  # plain KVCache on every layer: the cache can be cut at any position
+    cut_anywhere: bool  # growing layers only: the cache can be cut at any position
+    unknown: tuple[str, ...]  # cache classes localchat does not know: no disk cache
 
 
 class Engine:
-    """A model ready to run. Build one with ``Engine.load``; all calls on one thread."""
+    """A model ready to run. Build one with ``Engine.load``; all model calls on one thread."""
 
-    def __init__(self, model, tokenizer, ref: ModelRef, config: dict, kv_bits: int | None = None):
+    def __init__(self, model, tokenizer, ref: ModelRef, config: dict):
         self.model = model
         self.tokenizer = tokenizer
         self.ref = ref
         self.config = config
-        self.kv_bits = kv_bits
-        self._fingerprint: str | None = None
+        self._cache_fingerprint: str | None = None
         self._info: ModelInfo | None = None
+        self._layout = None
         self._compute_dtype = None
+        self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
 
     @classmethod
@@ -75,72 +87,145 @@ class Engine:
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
-        model_fp = fingerprint(ref.path)
-        weights_cache = cpu_weights_dir() / f"{model_fp[:32]}.safetensors"
+        digest = model_digest(ref.path)
+        weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
         slow = backend.slow_path_notice()
-        engine.notices = ([slow] if slow else []) + backend.tune(model, weights_cache, model_fp)
+        engine.notices = ([slow] if slow else []) + backend.tune(model, weights_cache, digest)
+        if unknown := engine.info().unknown:
+            engine.notices.append(
+                f"this model's cache ({', '.join(unknown)}) is not one localchat can keep: "
+                "every turn prefills the whole conversation")
         return engine
 
     # -- facts about the model -------------------------------------------------------------
 
     @property
-    def fingerprint(self) -> str:
-        """Model weights/config/tokenizer digest plus the cache's dtype and kv bits."""
-        if self._fingerprint is None:
-            base = fingerprint(self.ref.path)
+    def cache_fingerprint(self) -> str:
+        """What a stored cache must have been made with: the model digest plus cache settings."""
+        if self._cache_fingerprint is None:
             info = self.info()
-            self._fingerprint = f"{base[:32]}-{info.kv_dtype}-kv{self.kv_bits or 0}"
-        return self._fingerprint
+            self._cache_fingerprint = f"{info.model_digest[:32]}-{info.kv_dtype}"
+        return self._cache_fingerprint
 
     def info(self) -> ModelInfo:
         if self._info is None:
-            import mlx.core as mx
-
-            cache = self._plain_cache()
-            self.model(mx.array([[0]]), cache=cache)  # one token reveals K/V shape and dtype
-            trimmable = all(is_plain_kv(c) for c in cache)
-            keys = next(c.state[0] for c in cache
-                        if isinstance(c.state[0], mx.array) and c.state[0].ndim == 4)
-            _, kv_heads, _, head_dim = keys.shape
-            self._compute_dtype = keys.dtype
-            # Rounding to float16 as K/V enter the cache is done by our KVCache subclass, so
-            # only plain caches get it; snapshot caches keep the compute dtype.
-            store = mx.float16 if keys.dtype == mx.float32 and trimmable else keys.dtype
-            dtype = str(store).replace("mlx.core.", "")
-            layers = len(cache)
-            heads = int(self.config.get("num_attention_heads", kv_heads))
-            ctx = self.config.get("max_position_embeddings") or getattr(
-                self.tokenizer, "model_max_length", 4096
-            )
-            self._info = ModelInfo(
-                name=self.ref.name,
-                path=str(self.ref.path),
-                fingerprint=fingerprint(self.ref.path),
-                layers=layers,
-                heads=heads,
-                kv_heads=int(kv_heads),
-                head_dim=int(head_dim),
-                kv_dtype=dtype,
-                kv_bytes_per_token=2 * layers * int(kv_heads) * int(head_dim) * store.size,
-                context_length=int(ctx),
-                trimmable=trimmable,
-            )
+            self._info = self._measure()
         return self._info
+
+    def _measure(self) -> ModelInfo:
+        import mlx.core as mx
+
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=cache)  # one token reveals shapes and dtypes
+        found = ck.leaves(cache)
+        unknown = tuple(ck.unknown_classes(cache))
+        known = [(path, obj) for path, obj in found if ck.kind_of(obj) is not None]
+        specs = [ck.spec_of(path, obj) for path, obj in known]
+        first = next((obj for _, obj in known if getattr(obj, "keys", None) is not None), None)
+        self._compute_dtype = first.keys.dtype if first is not None else mx.float32
+        # float32 K/V (the CPU path) are rounded to float16 as they enter the cache.
+        store = mx.float16 if self._compute_dtype == mx.float32 else self._compute_dtype
+        per_token = sum(s.k_shape[0] * s.k_shape[1] + s.v_shape[0] * s.v_shape[1]
+                        for s in specs if s.kind == ck.GROWING) * store.size
+        state = 0
+        for (_, obj), spec in zip(known, specs):
+            if spec.cls in ("RotatingKVCache", "ChunkedKVCache"):
+                k, v = obj.keys, obj.values
+                state += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * spec.window \
+                    * store.size
+            elif spec.kind == ck.BOUNDED:
+                state += obj.nbytes
+        grow = next((s for s in specs if s.kind == ck.GROWING), None)
+        head = grow.k_shape if grow else (0, 0)
+        heads = int(self.config.get("num_attention_heads", head[0]))
+        ctx = self.config.get("max_position_embeddings") or getattr(
+            self.tokenizer, "model_max_length", 4096
+        )
+        self._layout = tuple(specs)
+        return ModelInfo(
+            name=self.ref.name,
+            path=str(self.ref.path),
+            model_digest=model_digest(self.ref.path),
+            layers=len(cache),
+            heads=heads,
+            kv_heads=int(head[0]),
+            head_dim=int(head[1]),
+            kv_dtype=str(store).replace("mlx.core.", ""),
+            kv_bytes_per_token=int(per_token),
+            state_bytes=int(state),
+            layer_mix=ck.describe_mix(specs, len(cache)),
+            context_length=int(ctx),
+            cut_anywhere=all(s.kind == ck.GROWING for s in specs),
+            unknown=unknown,
+        )
+
+    def layout(self) -> Layout:
+        """What this model's caches on disk are validated against (see ``kvstore.Layout``)."""
+        info = self.info()
+        return Layout(self.cache_fingerprint, info.kv_dtype, self._layout)
 
     # -- text ------------------------------------------------------------------------------
 
-    def render(self, messages: list[dict]) -> list[int]:
-        """Token ids of the whole conversation, chat template applied, ready for a reply."""
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return self.encode(text)
+    def render(self, messages: list[dict], prior: list[int] | None = None) -> list[int]:
+        """Token ids of the whole conversation, chat template applied, ready for a reply.
+
+        ``prior``: the token ids this conversation was last fed (the cache's token list).
+        Where the rendered text starts with what a prefix of ``prior`` decodes to, that
+        prefix is kept as it is and only the rest is tokenized: a reply whose text would
+        re-tokenize differently from the ids that were generated (non-canonical pieces,
+        byte-level Korean) keeps its ids, so the next turn does not prefill it again. The
+        ids are the conversation's; ``--no-cache`` uses the same ones.
+        """
+        with self._tokenizer_lock:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            canonical = self._encode(text)
+            if not prior or common_prefix(prior, canonical) == len(prior):
+                return canonical
+            j, prefix_text = self._aligned_prefix(prior, text)
+            if j <= common_prefix(prior, canonical):
+                return canonical
+            return list(prior[:j]) + self._encode(text[len(prefix_text):])
+
+    def _aligned_prefix(self, prior: list[int], text: str) -> tuple[int, str]:
+        """The longest j whose decoded ``prior[:j]`` is a prefix of ``text`` (binary search;
+        a prefix that decodes into a prefix of the text stays one when shortened, except
+        mid-character, which only makes the search stop a little short)."""
+        def decoded(j: int) -> str:
+            return self.tokenizer.decode(prior[:j], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+
+
+        whole = decoded(len(prior))
+        if text.startswith(whole):
+            return len(prior), whole
+        lo, hi, best = 0, len(prior), ""
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            piece = decoded(mid)
+            if text.startswith(piece):
+                lo, best = mid, piece
+            else:
+                hi = mid - 1
+        return lo, best if lo else ""
 
     def encode(self, text: str) -> list[int]:
+        with self._tokenizer_lock:
+            return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         # verbose=False: no "longer than the maximum" warning; we check the context ourselves.
         return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
 
+    def decode_text(self, ids: list[int]) -> str:
+        """The exact text of ``ids`` (special tokens included, no space clean-up)."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False)
+
     def count_tokens(self, text: str) -> int:
+        """Tokens of ``text`` (a draft); safe from any thread."""
         return len(self.encode(text)) if text else 0
 
     def detokenizer(self):
@@ -159,15 +244,12 @@ class Engine:
         """An empty cache. float32 K/V (CPU) is rounded to float16 as it enters the cache,
         like llama.cpp's default f16 cache: half the disk, and the disk copy is lossless, so
         a resumed turn computes exactly what a full prefill computes."""
-        info = self.info()
-        if info.trimmable and self._compute_dtype != info_dtype(info):
-            return [_half_stored_cache_class()() for _ in range(info.layers)]
-        return self._plain_cache()
+        import mlx.core as mx
 
-    def _plain_cache(self) -> list:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        return make_prompt_cache(self.model)
+        cache = make_prompt_cache(self.model)
+        if self.compute_dtype() == mx.float32 and self.info().kv_dtype == "float16":
+            ck.half_stored(cache)
+        return cache
 
     def compute_dtype(self):
         """The dtype the model's K/V come out in (float32 on the CPU path)."""
@@ -194,7 +276,7 @@ class Engine:
                 body(x, cache=cache)
             else:
                 self.model(x, cache=cache)
-            mx.eval([c.state for c in cache])
+            mx.eval(ck.state_arrays(cache))
             done += n
             yield done, total
         logits = self.model(mx.array(tokens[-1:])[None], cache=cache)[:, -1, :]
@@ -222,42 +304,18 @@ class Engine:
         mx.async_eval(y)
         for n in range(max_tokens):
             tok = int(y.item())
-            if tok in eos or n == max_tokens - 1:
+            if tok in eos:
                 yield tok
+                return
+            if n == max_tokens - 1:
+                yield tok
+                # Fed too, once the caller asks for more: the cache then ends where the
+                # reply's text ends (not inside a character split over two tokens).
+                mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
                 return
             y = sampler(self.model(y[:, None], cache=cache)[:, -1, :])
             mx.async_eval(y)
             yield tok
-
-
-def info_dtype(info: ModelInfo):
-    import mlx.core as mx
-
-    return getattr(mx, info.kv_dtype)
-
-
-@functools.cache
-def _half_stored_cache_class():
-    """Made on first use: importing mlx_lm at module import would load MLX before
-    ``backend.prepare()`` could pick the BLAS."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    class HalfStoredKVCache(KVCache):
-        """A KVCache whose entries are rounded to float16 (kept in the compute dtype)."""
-
-        def update_and_fetch(self, keys, values):
-            return super().update_and_fetch(keys.astype(mx.float16).astype(keys.dtype),
-                                            values.astype(mx.float16).astype(values.dtype))
-
-    return HalfStoredKVCache
-
-
-def is_plain_kv(cache) -> bool:
-    """True for mlx-lm's KVCache and our subclass: trimmable at any position."""
-    from mlx_lm.models.cache import KVCache
-
-    return type(cache) is KVCache or type(cache) is _half_stored_cache_class()
 
 
 def _quiet_transformers() -> None:
@@ -271,9 +329,10 @@ def _quiet_transformers() -> None:
         pass
 
 
-def cache_offset(cache: list) -> int:
-    """Number of positions held by a cache (layer 0's view)."""
-    return int(cache[0].offset) if cache else 0
+def make_prompt_cache(model) -> list:
+    from mlx_lm.models.cache import make_prompt_cache as make
+
+    return make(model)
 
 
 def now() -> float:

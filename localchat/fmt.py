@@ -30,3 +30,8 @@ class StatusLine:
             sys.stderr.write("\r\x1b[2K")
             sys.stderr.flush()
             self.shown = False
+
+
+def say(msg: str) -> None:
+    """Default progress sink of the command line: one line on stderr."""
+    print(f"localchat: {msg}", file=sys.stderr, flush=True)

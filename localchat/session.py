@@ -1,96 +1,103 @@
-"""One conversation turn, with its KV cache reused from memory or disk.
+"""Conversations and their turns, with each conversation's KV cache reused from memory or disk.
 
-A turn = render → match prefix → prefill the rest → decode → persist. ``Session.turn`` is the
-one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the benchmarks): it
-yields ``Notice``, ``PrefillProgress`` and ``ReplyChunk`` events, then one ``TurnFinished``
-carrying the ``Usage`` record the status bar shows.
+What it is: the layer every front end stands on. ``open_session`` is the one factory (store,
+model, session); ``Session`` owns the conversation operations (find or create, rename, delete,
+regenerate, edit the last message, count a draft's tokens) and the turn itself:
+render → match prefix → restore the cache → prefill the rest → decode → persist. ``turn``
+is the one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the
+benchmarks); it yields the records of ``events.py``. What it is not: I/O for a person
+(``cli.py``, ``tui/``) or the model (``engine.py``).
 
 Order of writes (a crash anywhere leaves a consistent state): the user's message is committed
-first, so typed text is never lost; after decoding, the KV cache segments and manifest; then
-the reply. A stopped reply (``stop()``, Ctrl-C, closing the generator) is kept, marked
-partial, and the cache holds exactly the tokens that were fed.
+first, so typed text is never lost; after decoding, the reply; then the KV cache segments,
+checkpoints and manifest. A stopped reply (a ``Cancel`` set, Ctrl-C, closing the generator)
+is kept, marked partial, and the cache holds exactly the tokens that were fed.
+
+Resuming (see ``cachekinds.py``): the cached token list ``C`` and the new rendering ``T``
+share a prefix of length k. Growing layers are cut to any position; bounded layers only come
+back at a checkpoint, so a turn resumes from p = the latest checkpoint ≤ k (p = k when every
+layer grows). Checkpoints are taken at the end of each prompt's prefill (one token before the
+reply: regenerate resumes there) and at the end of each reply (the next turn resumes there).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine import Engine, cache_offset, now
+from . import cachekinds as ck
+from . import paths
+from .engine import Engine, now
 from .errors import BadInput, ContextFull, StorageError
-from .kvstore import CacheInvalid, Geometry, KVStore, common_prefix
+from .events import Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
+from .kvstore import CacheInvalid, KVStore, Manifest, common_prefix
 from .locks import ConversationLock
 from .prefixes import PrefixPool
-from .snapshot import load_snapshot, save_snapshot
 from .store import Conversation, Store
 
+__all__ = ["Cancel", "Event", "Notice", "PrefillProgress", "ReplyChunk", "Session",
+           "TurnFinished", "TurnOptions", "Usage", "open_session"]
 
-@dataclass(frozen=True)
-class Notice:
-    """Something the user should read once (cache rebuilt, waiting for a lock)."""
-
-    text: str
+HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place
 
 
 @dataclass(frozen=True)
-class PrefillProgress:
-    done: int
-    total: int
+class TurnOptions:
+    """How to run a turn (``ask``'s flags, a batch line's settings)."""
+
+    max_tokens: int = 1024
+    temp: float = 0.0  # 0: greedy
+    seed: int | None = None
+    no_cache: bool = False  # ignore the stored K/V (full prefill), then store a fresh cache
 
 
-@dataclass(frozen=True)
-class ReplyChunk:
-    text: str
+class Cancel:
+    """Stops one turn after the current token; thread-safe. Made by the caller before the
+    turn starts, so a stop that comes before the worker runs is not lost."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
 
 
-@dataclass(frozen=True)
-class Usage:
-    """Figures of one turn. ``prompt_tokens == cached_tokens + prefilled_tokens``."""
+def open_session(model: str | None = None, *, progress: Callable[[str], None] | None = None,
+                 load_engine: Callable[..., Engine] | None = None,
+                 lock_timeout: float | None = None) -> Session:
+    """The one wiring of every front end: open the database, load the model, make a session.
 
-    prompt_tokens: int
-    cached_tokens: int
-    prefilled_tokens: int
-    completion_tokens: int
-    ttft_s: float
-    prefill_tps: float
-    decode_tps: float
-    context_tokens: int  # positions held by the cache after the turn
-    context_length: int
-    cache_bytes: int  # size of the conversation's cache on disk
-    bytes_written: int  # cache bytes this turn wrote
-    miss_reason: str  # why tokens were prefilled: "", "new conversation", "edited", ...
-    snapshot: bool = False  # the model's cache is saved whole at turn ends (not appendable)
-
-    @property
-    def hit_ratio(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def public(self) -> dict:
-        """The usage object of ``ask --json`` and batch results."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "cached_tokens": self.cached_tokens,
-            "prefilled_tokens": self.prefilled_tokens,
-            "completion_tokens": self.completion_tokens,
-            "ttft_s": round(self.ttft_s, 4),
-            "prefill_tps": round(self.prefill_tps, 1),
-            "decode_tps": round(self.decode_tps, 1),
-            "cache_bytes": self.cache_bytes,
-            "miss_reason": self.miss_reason,
-        }
+    Args:
+        model: a model name for ``Engine.load`` (None: the default model).
+        progress: one-line progress messages while a model is set up.
+        load_engine: ``Engine.load`` unless a test passes another loader.
+        lock_timeout: seconds to wait for a conversation another process uses
+            (default: ``LOCALCHAT_LOCK_TIMEOUT`` or 60).
+    Raises:
+        StorageError, ModelNotFound, ModelBroken.
+    """
+    store = Store.open(paths.database_path())
+    try:
+        engine = (load_engine or Engine.load)(model, progress)
+    except BaseException:
+        store.close()
+        raise
+    if lock_timeout is None:
+        lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
+    return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout)
 
 
-@dataclass(frozen=True)
-class TurnFinished:
-    reply: str
-    usage: Usage
-    stopped: bool  # the reply was cut short by the user; it is saved marked partial
-    tokens: tuple[int, ...] = ()  # the generated token ids, EOS included when produced
-
-
-Event = Notice | PrefillProgress | ReplyChunk | TurnFinished
+def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None) -> None:
+    """Delete a conversation's messages, then its KV cache folder (no model needed)."""
+    store.delete(conv)
+    shutil.rmtree((kv_root or paths.kv_root()) / str(conv.id), ignore_errors=True)
 
 
 @dataclass
@@ -101,6 +108,7 @@ class _Live:
     fingerprint: str
     tokens: list[int]
     cache: list
+    checkpoints: dict[int, ck.Captured]
 
 
 @dataclass
@@ -114,6 +122,20 @@ class _Run:
     prefill_s: float = 0.0
     t_first: float | None = None
     t_last: float | None = None  # when the last token came (decode speed ends there)
+    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
+    checkpoints: list[ck.Captured] = field(default_factory=list)
+
+
+@dataclass
+class _Start:
+    """Where a turn starts: the conversation's token list, the cache holding its first
+    ``pos`` tokens, and why anything before the new message is prefilled again."""
+
+    cache: list
+    pos: int
+    checkpoints: dict[int, ck.Captured]
+    changed: str = ""  # the rendering differs from the cached tokens before their end
+    fallback: str = ""  # bounded layers resumed from a checkpoint before that point
 
 
 class Session:
@@ -127,34 +149,52 @@ class Session:
         self.locks_dir = locks_dir
         self.lock_timeout = lock_timeout
         self._live: _Live | None = None
-        self._stop = threading.Event()
+
+    def close(self) -> None:
+        self.store.close()
 
     def kvstore(self, conv: Conversation) -> KVStore:
         return KVStore(self.kv_root / str(conv.id))
 
-    def stop(self) -> None:
-        """Ask the running turn to stop after the current token (thread-safe)."""
-        self._stop.set()
+    # -- conversations ---------------------------------------------------------------------
 
-    def geometry(self) -> Geometry:
-        info = self.engine.info()
-        return Geometry(self.engine.fingerprint, info.layers, info.kv_heads, info.head_dim,
-                        info.kv_dtype)
+    @property
+    def model_name(self) -> str:
+        return self.engine.ref.name
 
-    # -- the turn --------------------------------------------------------------------------
+    def conversation(self, name: str | None, *, system: str | None = None) -> Conversation:
+        """The conversation ``name`` (created if new; a fresh name if None), set to this
+        session's model and, when given, to ``system``."""
+        conv = self.store.find(name) if name else None
+        if conv is None:
+            return self.store.create(name or self.store.unique_name(), self.model_name, system)
+        changes = {}
+        if conv.model != self.model_name:
+            changes["model"] = self.model_name
+        if system is not None and system != conv.system:
+            changes["system"] = system
+        return self.store.update(conv, **changes) if changes else conv
 
-    def turn(self, conv: Conversation, prompt: str | None, *, max_tokens: int = 1024,
-             temp: float = 0.0, seed: int | None = None, no_cache: bool = False,
-             edited: bool = False) -> Iterator[Event]:
+    def rename(self, conv: Conversation, name: str) -> Conversation:
+        return self.store.update(conv, name=name.strip())
+
+    def delete(self, conv: Conversation) -> None:
+        """Delete a conversation, its messages and its KV cache."""
+        if self._live and self._live.conversation_id == conv.id:
+            self._live = None
+        delete_conversation(self.store, conv, self.kv_root)
+
+    def count_tokens(self, text: str) -> int:
+        """A draft's length in tokens; safe from any thread (the app's UI thread)."""
+        return self.engine.count_tokens(text)
+
+    # -- turns -----------------------------------------------------------------------------
+
+    def turn(self, conv: Conversation, prompt: str | None,
+             options: TurnOptions = TurnOptions(), cancel: Cancel | None = None,
+             ) -> Iterator[Event]:
         """Run one turn: add ``prompt`` as the user's message (None: answer as it stands).
 
-        Args:
-            conv: the conversation; its messages are read from the store.
-            prompt: the new user message, or None to reply to the last stored message.
-            max_tokens: reply length limit (also capped by the context window).
-            temp: 0 for greedy decoding.
-            no_cache: ignore the stored cache (full prefill), then store a fresh one.
-            edited: the caller cut the conversation (edit, regenerate); reported as the reason.
         Yields:
             Notice, PrefillProgress and ReplyChunk events, then one TurnFinished.
         Raises:
@@ -162,20 +202,47 @@ class Session:
         """
         if prompt is not None and not prompt.strip():
             raise BadInput("empty prompt")
+        yield from self._locked(conv, prompt, options, cancel or Cancel(), cut=None)
+
+    def regenerate(self, conv: Conversation, options: TurnOptions = TurnOptions(),
+                   cancel: Cancel | None = None) -> Iterator[Event]:
+        """Drop the last reply and answer the last user message again (reuses the cache
+        up to that message)."""
+        yield from self._locked(conv, None, options, cancel or Cancel(), cut="reply")
+
+    def edit_last(self, conv: Conversation, text: str, options: TurnOptions = TurnOptions(),
+                  cancel: Cancel | None = None) -> Iterator[Event]:
+        """Replace the last user message (and what follows) by ``text`` and answer it."""
+        if not text.strip():
+            raise BadInput("empty prompt")
+        yield from self._locked(conv, text, options, cancel or Cancel(), cut="user")
+
+    def _locked(self, conv, prompt, options, cancel, cut):
         t0 = now()
-        self._stop.clear()
         lock = ConversationLock(self.locks_dir / f"{conv.id}.lock", conv.name,
                                 self.lock_timeout)
         if not lock.try_acquire():
             yield Notice(lock.waiting_message)
             lock.acquire()
         try:
-            yield from self._locked_turn(conv, prompt, max_tokens, temp, seed, no_cache,
-                                         edited, t0)
+            reason = ""
+            if cut is not None:
+                reason = self._cut(conv, cut)
+            yield from self._turn(conv, prompt, options, cancel, t0, reason)
         finally:
             lock.release()
 
-    def _locked_turn(self, conv, prompt, max_tokens, temp, seed, no_cache, edited, t0):
+    def _cut(self, conv: Conversation, what: str) -> str:
+        users = [m for m in self.store.messages(conv) if m.role == "user"]
+        if not users:
+            raise BadInput("no message to edit yet" if what == "user" else
+                           "nothing to regenerate yet")
+        seq = users[-1].seq + (1 if what == "reply" else 0)
+        self.store.delete_messages_from(conv, seq)
+        return "regenerated" if what == "reply" else "edited"
+
+    def _turn(self, conv, prompt, options: TurnOptions, cancel: Cancel, t0: float,
+              edit_reason: str):
         history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
         if conv.system and not any(m["role"] == "system" for m in history):
             history.insert(0, {"role": "system", "content": conv.system})
@@ -183,35 +250,28 @@ class Session:
             history.append({"role": "user", "content": prompt})
         elif not history or history[-1]["role"] != "user":
             raise BadInput("nothing to answer: the conversation does not end with a user message")
-        tokens, max_tokens = self.render_checked(history, max_tokens)
+        kv = self.kvstore(conv)
+        prior, man, note = self._prior(conv, kv, options.no_cache)
+        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
-
-        store = self.kvstore(conv)
-        geometry = self.geometry()
-        cached, cache, reason = self._cache_for(conv, store, geometry, no_cache)
-        if reason.startswith("cache rebuilt"):
-            yield Notice(reason)
-        k = min(common_prefix(cached, tokens), len(tokens) - 1)
-        if k < len(cached) and not self.engine.info().trimmable:
-            # A snapshot cache cannot be cut: anything but an exact extension starts over.
-            cache, k = self.engine.new_cache(), 0
-            reason = reason or "edited (this model's cache cannot be cut: full prefill)"
-        elif k < cache_offset(cache):
-            drop = cache_offset(cache) - k
-            for c in cache:
-                c.trim(drop)
-            if not reason:
-                reason = "edited" if edited else f"re-rendered ({len(cached) - k} tokens)"
-        if edited and not reason:
-            reason = "edited"
+        if note.startswith("cache rebuilt"):
+            yield Notice(note)
+        start = self._start(kv, prior, man, tokens, options.no_cache)
+        if start.changed.startswith("cache rebuilt"):
+            yield Notice(start.changed)
+        parts = [note] if note else [
+            edit_reason or start.changed if start.changed else "", start.fallback]
+        reason = "; ".join(p for p in parts if p)
 
         run = _Run()
+        new_tokens = tokens[start.pos:]
         try:
-            yield from self._prefill_and_decode(tokens[k:], cache, max_tokens, temp, seed, run)
+            yield from self._prefill_and_decode(new_tokens, start, max_tokens, options, cancel,
+                                                run)
         except GeneratorExit:
             # Closed at a yield point: the cache holds exactly the fed tokens, so keep it.
-            self._persist(conv, store, geometry, tokens + run.generated, cache, run.reply, True)
+            self._persist(conv, kv, tokens + run.generated, start, run, True)
             raise
         except KeyboardInterrupt:
             # Raised anywhere, perhaps inside a model step: keep the text, not this cache.
@@ -220,35 +280,37 @@ class Session:
                 self.store.add_message(conv, "assistant", run.reply, partial=True)
             raise
         notes: list[str] = []
-        written = self._persist(conv, store, geometry, tokens + run.generated, cache,
-                                run.reply, run.stopped and run.logits_ready, notes)
+        written = self._persist(conv, kv, tokens + run.generated, start, run,
+                                run.stopped and run.logits_ready, notes)
         for text in notes:
             yield Notice(text)
-        usage = self._usage(tokens, k, run, cache, t0, store.disk_bytes(), written, reason)
+        usage = self._usage(tokens, start.pos, run, t0, kv.disk_bytes(), written, reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
-    def complete(self, messages: list[dict], pool: PrefixPool, *, max_tokens: int = 256,
-                 temp: float = 0.0, seed: int | None = None) -> Iterator[Event]:
+    def complete(self, messages: list[dict], pool: PrefixPool,
+                 options: TurnOptions = TurnOptions(), cancel: Cancel | None = None,
+                 ) -> Iterator[Event]:
         """A turn on messages not stored anywhere (batch lines), reusing pooled prefixes.
 
         Yields the same events as ``turn``; the finished cache goes back into ``pool``.
         """
         t0 = now()
-        self._stop.clear()
-        tokens, max_tokens = self.render_checked(messages, max_tokens)
-        k, cache = pool.take(tokens)
+        tokens, max_tokens = self.render_checked(messages, options.max_tokens)
+        k, cache, snaps = pool.take(tokens)
+        start = _Start(cache, k, snaps)
         run = _Run()
-        yield from self._prefill_and_decode(tokens[k:], cache, max_tokens, temp, seed, run)
-        fed = (tokens + run.generated)[: cache_offset(cache)]
-        pool.put(fed, cache)
+        yield from self._prefill_and_decode(tokens[k:], start, max_tokens, options,
+                                            cancel or Cancel(), run)
+        pool.put((tokens + run.generated)[: run.fed], cache, {s.pos: s for s in run.checkpoints})
         reason = "" if k else "no shared prefix"
-        usage = self._usage(tokens, k, run, cache, t0, 0, 0, reason)
+        usage = self._usage(tokens, k, run, t0, 0, 0, reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
-    def render_checked(self, messages: list[dict], max_tokens: int) -> tuple[list[int], int]:
+    def render_checked(self, messages: list[dict], max_tokens: int,
+                       prior: list[int] | None = None) -> tuple[list[int], int]:
         """Token ids of ``messages`` ready for a reply, and the reply budget that fits."""
         info = self.engine.info()
-        tokens = self.engine.render(messages)
+        tokens = self.engine.render(messages, prior)
         room = info.context_length - len(tokens)
         if room < 1:
             raise ContextFull(
@@ -257,35 +319,109 @@ class Session:
             )
         return tokens, min(max_tokens, room)
 
-    def _usage(self, tokens, k, run: _Run, cache, t0, cache_bytes, written, reason) -> Usage:
-        t_end = now()
-        n_gen = len(run.generated)
-        t_first = run.t_first or t_end
-        decode_s = (run.t_last or t_end) - t_first
-        return Usage(
-            prompt_tokens=len(tokens),
-            cached_tokens=k,
-            prefilled_tokens=len(tokens) - k,
-            completion_tokens=n_gen,
-            ttft_s=t_first - t0,
-            prefill_tps=(len(tokens) - k) / run.prefill_s if run.prefill_s > 0 else 0.0,
-            decode_tps=(n_gen - 1) / decode_s if n_gen > 1 and decode_s > 0 else 0.0,
-            context_tokens=cache_offset(cache),
-            context_length=self.engine.info().context_length,
-            cache_bytes=cache_bytes,
-            bytes_written=written,
-            miss_reason=reason,
-            snapshot=not self.engine.info().trimmable,
-        )
+    # -- where a turn starts -----------------------------------------------------------------
 
-    def _prefill_and_decode(self, new_tokens, cache, max_tokens, temp, seed, run: _Run):
-        """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``stop()``."""
+    def _prior(self, conv: Conversation, kv: KVStore, no_cache: bool
+               ) -> tuple[list[int] | None, Manifest | None, str]:
+        """(the conversation's cached token list, its valid manifest, a note).
+
+        The token list also aligns the rendering (``Engine.render``), so ``--no-cache`` reads
+        it too and only ignores the K/V.
+        """
+        live = self._live
+        try:
+            man = kv.checked_manifest(self.engine.layout())
+        except CacheInvalid as err:
+            kv.clear()
+            self._live = None
+            return None, None, f"cache rebuilt: {err}"
+        except OSError as err:
+            return None, None, f"cache rebuilt: {err.strerror or err}"
+        if no_cache:
+            self._live = None
+            kv.clear()  # a fresh cache is written at the end of the turn
+            return (man.tokens if man else None), None, "cache ignored (--no-cache)"
+        if man is None:
+            self._live = None
+            if self.engine.info().unknown:
+                return None, None, "this model's cache is not kept"
+            return None, None, ("cache rebuilt: no cache on disk" if conv.tokens > 0
+                                else "new conversation")
+        # Trust memory only if the disk still agrees (another process may have moved on).
+        if not (live and live.conversation_id == conv.id and live.tokens == man.tokens
+                and live.fingerprint == self.engine.cache_fingerprint):
+            self._live = None
+        return man.tokens, man, ""
+
+    def _start(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
+               no_cache: bool) -> _Start:
+        """The cache to prefill from: memory when it holds this conversation, else disk."""
         engine = self.engine
+        if not prior or no_cache or man is None:
+            return _Start(engine.new_cache(), 0, {})
+        k = min(common_prefix(prior, tokens), len(tokens) - 1)
+        changed = "" if k == len(prior) else \
+            f"re-rendered: the conversation differs {len(prior) - k} tokens back"
+        fallback = ""
+        live = self._live
+        if not engine.layout().has_bounded:
+            p, snap = k, None
+        else:
+            held = dict(live.checkpoints) if live else {}
+            on_disk = man.checkpoint_at_most(k)
+            p = max([q for q in held if q <= k] + [on_disk.pos if on_disk else 0])
+            if live and k == len(prior):
+                p = k  # an exact extension: the bounded state in memory is already there
+            snap = held.get(p)
+            if p < k:
+                fallback = (f"resumed from the checkpoint {k - p} tokens back (this model's "
+                            "cache cannot be cut there)")
+        if p == 0:
+            return _Start(engine.new_cache(), 0, {}, changed, fallback)
+        try:
+            if live is not None:
+                cache = live.cache
+                if p < len(live.tokens):
+                    ck.trim_growing(cache, p)
+                    if snap is None and engine.layout().has_bounded:
+                        snap = kv.load_checkpoint(man.checkpoint_at_most(p))
+                    if snap is not None:
+                        ck.restore(cache, snap)
+                checkpoints = {q: c for q, c in live.checkpoints.items() if q <= p}
+            else:
+                cache = engine.new_cache()
+                growing = [o for _, o in ck.leaves(cache) if ck.kind_of(o) == ck.GROWING]
+                loaded = kv.load_growing(man, p, engine.compute_dtype(), HEADROOM)
+                for obj, (keys, values) in zip(growing, loaded):
+                    ck.set_growing(obj, keys, values, p)
+                checkpoints = {}
+                if engine.layout().has_bounded:
+                    snap = kv.load_checkpoint(man.checkpoint_at_most(p))
+                    ck.restore(cache, snap)
+                    checkpoints[p] = snap
+        except CacheInvalid as err:
+            kv.clear()
+            self._live = None
+            return _Start(engine.new_cache(), 0, {}, f"cache rebuilt: {err}")
+        return _Start(cache, p, checkpoints, changed, fallback)
+
+    # -- prefill, decode, persist ------------------------------------------------------------
+
+    def _prefill_and_decode(self, new_tokens, start: _Start, max_tokens: int,
+                            options: TurnOptions, cancel: Cancel, run: _Run):
+        """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
+
+        Models with bounded layers get a checkpoint one token before the reply (the end of
+        the prompt) and one at the end of the reply.
+        """
+        engine, cache = self.engine, start.cache
+        bounded = bool(ck.bounded(cache))
+        run.fed = start.pos
         t = now()
         prefill = engine.prefill(new_tokens, cache)
         logits = None
         while logits is None:
-            if self._stop.is_set():
+            if cancel.is_set():
                 run.stopped = True
                 run.prefill_s = now() - t
                 return
@@ -294,14 +430,22 @@ class Session:
             except StopIteration as fin:
                 logits = fin.value
                 break
+            run.fed = start.pos + done
+            if bounded and done == total - 1:
+                run.checkpoints.append(ck.capture(cache, run.fed))
             yield PrefillProgress(done, total)
         run.prefill_s = now() - t
         run.logits_ready = True
+        run.fed = start.pos + len(new_tokens)
         detok = engine.detokenizer()
-        for tok in engine.decode(cache, logits, max_tokens, temp, seed):
+        for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed):
             if run.t_first is None:
                 run.t_first = now()
             run.generated.append(tok)
+            # engine.decode has fed every token it yielded, except an EOS and the last
+            # allowed one (fed when the loop reads on: see the else below).
+            final = tok in engine.eos_ids or len(run.generated) >= max_tokens
+            run.fed = start.pos + len(new_tokens) + len(run.generated) - final
             run.t_last = now()
             if tok in engine.eos_ids:
                 break
@@ -309,78 +453,62 @@ class Session:
             if piece := detok.last_segment:
                 run.reply += piece
                 yield ReplyChunk(piece)
-            if self._stop.is_set():
+            if cancel.is_set():
                 run.stopped = True
                 break
+        else:
+            if run.generated and len(run.generated) >= max_tokens:
+                run.fed += 1
         detok.finalize()
         if piece := detok.last_segment:
             run.reply += piece
             yield ReplyChunk(piece)
+        # Store what the ids decode to: the streaming detokenizer trims a leading space, and
+        # the next turn keeps these ids only if the stored text renders back to them.
+        ids = [t for t in run.generated if t not in engine.eos_ids]
+        run.reply = engine.decode_text(ids) if ids else run.reply
+        if bounded:
+            run.checkpoints.append(ck.capture(cache, run.fed))
 
-    def _cache_for(self, conv, store: KVStore, geometry: Geometry, no_cache: bool):
-        """(token list, live cache, reason) to start the turn from."""
-        engine = self.engine
-        live = self._live
-        if no_cache:
-            self._live = None
-            store.clear()
-            return [], engine.new_cache(), "cache ignored (--no-cache)"
-        if live and live.conversation_id == conv.id and live.fingerprint == geometry.fingerprint:
-            # Trust memory only if the disk still agrees (another process may have moved on).
-            try:
-                man = store.manifest()
-            except CacheInvalid:
-                man = None
-            if man is not None and man.tokens == live.tokens:
-                return live.tokens, live.cache, ""
-        self._live = None
-        try:
-            if not engine.info().trimmable:
-                loaded = load_snapshot(store, geometry)
-                if loaded is not None:
-                    return loaded[0], loaded[1], ""
-            else:
-                loaded = store.load(geometry, engine.compute_dtype(), headroom=256)
-        except CacheInvalid as err:
-            store.clear()
-            return [], engine.new_cache(), f"cache rebuilt: {err}"
-        except OSError as err:
-            return [], engine.new_cache(), f"cache rebuilt: {err.strerror or err}"
-        if loaded is None:
-            has_turns = conv.tokens > 0
-            reason = "cache rebuilt: no cache on disk" if has_turns else "new conversation"
-            return [], engine.new_cache(), reason
-        tokens, layers = loaded
-        cache = engine.new_cache()
-        for c, (keys, values) in zip(cache, layers):
-            c.state = (keys, values, len(tokens))
-        return tokens, cache, ""
-
-    def _persist(self, conv, store: KVStore, geometry, fed_candidates: list[int], cache,
-                 reply: str, partial: bool, notices: list[str] | None = None) -> int:
-        """Save the reply, then write the cache (segments, then manifest). Returns bytes written.
+    def _persist(self, conv, kv: KVStore, fed_candidates: list[int], start: _Start, run: _Run,
+                 partial: bool, notices: list[str] | None = None) -> int:
+        """Save the reply, then write the cache (segments, checkpoints, manifest). Returns
+        bytes written.
 
         The reply goes first: it is what the user cannot get back, while a cache that is not
         written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
-        the previous manifest still describes valid segments.
+        the previous manifest still describes valid files.
         """
-        if reply:  # an empty reply (stopped before any text) is not worth a message
-            self.store.add_message(conv, "assistant", reply, partial=partial)
-        n = cache_offset(cache)
+        if run.reply:  # an empty reply (stopped before any text) is not worth a message
+            self.store.add_message(conv, "assistant", run.reply, partial=partial)
+        cache = start.cache
+        n = run.fed
         fed = fed_candidates[:n]
         written = 0
-        try:
-            if self.engine.info().trimmable:
-                written = store.commit(geometry, fed, cache)
-            else:
-                written = save_snapshot(store, geometry, fed, cache)
-            self._live = _Live(conv.id, geometry.fingerprint, fed, cache)
-        except OSError as err:  # kvstore turns MLX's RuntimeError on a failed write into this
-            self._live = None
-            if notices is not None:
-                notices.append(f"cache not saved ({err.strerror or err}); it will be rebuilt")
+        if not self.engine.info().unknown:
+            layout = self.engine.layout()
+            try:
+                written = kv.commit(layout, fed, cache, run.checkpoints)
+                held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
+                self._live = _Live(conv.id, layout.fingerprint, fed, cache, held)
+            except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this
+                self._live = None
+                if notices is not None:
+                    notices.append(f"cache not saved ({err.strerror or err}); "
+                                   "it will be rebuilt")
         try:
             self.store.update(conv, tokens=n)
         except StorageError:
             pass  # the token count only feeds `localchat list`
         return written
+
+    def _usage(self, tokens, k, run: _Run, t0, cache_bytes, written, reason) -> Usage:
+        t_end = now()
+        t_first = run.t_first or t_end
+        return Usage.of(
+            prompt_tokens=len(tokens), cached_tokens=k, completion_tokens=len(run.generated),
+            t0=t0, t_first=t_first, t_last=run.t_last or t_end, prefill_s=run.prefill_s,
+            context_tokens=run.fed,
+            context_length=self.engine.info().context_length, cache_bytes=cache_bytes,
+            bytes_written=written, miss_reason=reason,
+            checkpoints=not self.engine.info().cut_anywhere)

@@ -134,13 +134,9 @@ class Store:
         return self.get(fields.get("name", conv.name))
 
     def delete(self, conv: Conversation) -> None:
-        """Delete a conversation, its messages, and its KV cache folder."""
-        import shutil
-
-        from .paths import kv_folder
-
+        """Delete a conversation and its messages (``session.delete_conversation`` also
+        removes its KV cache)."""
         self._write("DELETE FROM conversations WHERE id = ?", (conv.id,))
-        shutil.rmtree(kv_folder(conv.id), ignore_errors=True)
 
     def unique_name(self, base: str = "chat") -> str:
         names = {c.name for c in self.list()}

@@ -2,7 +2,8 @@
 
 Usage: python crash_helper.py MODE -- ASK-ARGS...   (LOCALCHAT_HOME from the environment)
 
-MODE: kill-prefill | kill-decode | kill-segment | kill-manifest | kill-reply | slow-decode.
+MODE: kill-prefill | kill-decode | kill-segment | kill-checkpoint | kill-manifest | kill-reply
+| slow-decode.
 The faults are injected from outside (monkeypatching), so the product has no test hooks.
 """
 
@@ -22,7 +23,7 @@ def main():
     from localchat import backend
 
     backend.prepare()
-    from localchat import kvstore, store
+    from localchat import files, store
     from localchat.engine import Engine
 
     if mode == "kill-prefill":
@@ -45,16 +46,17 @@ def main():
                     print("", end="", flush=True)
                 yield tok
         Engine.decode = decode
-    elif mode in ("kill-segment", "kill-manifest"):
+    elif mode in ("kill-segment", "kill-checkpoint", "kill-manifest"):
         real_replace = os.replace
 
         def replace(src, dst):
             name = os.path.basename(str(dst))
             if (mode == "kill-segment" and name.startswith("seg-")) or \
+               (mode == "kill-checkpoint" and name.startswith("ckpt-")) or \
                (mode == "kill-manifest" and name == "manifest.json"):
                 die()
             return real_replace(src, dst)
-        kvstore.os.replace = replace
+        files.os.replace = replace
     elif mode == "kill-reply":
         real_add = store.Store.add_message
 

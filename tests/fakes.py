@@ -26,9 +26,12 @@ class ScriptedEngine(Engine):
         for n, tok in enumerate(tokens[:max_tokens]):
             if self.delay:
                 time.sleep(self.delay)
-            last = tok == eos or n == max_tokens - 1
-            if not last:
+            if tok == eos:
+                yield tok
+                return
+            if n < max_tokens - 1:  # Engine.decode feeds a token before yielding it...
                 mx.eval(self.model(mx.array([[tok]]), cache=cache))
             yield tok
-            if last:
+            if n == max_tokens - 1:  # ...and the last allowed one after, as here
+                mx.eval(self.model(mx.array([[tok]]), cache=cache))
                 return

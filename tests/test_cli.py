@@ -159,3 +159,24 @@ def test_store_migrates_a_blank_database_and_two_openers_take_turns(tmp_path):
     assert db.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
     cols = {r[1] for r in db.execute("PRAGMA table_info(conversations)")}
     assert {"id", "name", "model", "system", "tokens"} <= cols
+
+
+def test_ask_regenerate_and_edit_last_reuse_the_cache(home, tiny_model, capsys):
+    ask(capsys, tiny_model, "-c", "ops", "--json", "Hello there")
+    code, out, err = ask(capsys, tiny_model, "-c", "ops", "--json", "Tell me about Seoul")
+    second = json.loads(out)
+    code, out, err = ask(capsys, tiny_model, "-c", "ops", "--json", "--regenerate")
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["usage"]["miss_reason"] == "regenerated"
+    assert again["usage"]["cached_tokens"] == second["usage"]["prompt_tokens"] - 1
+    code, out, err = ask(capsys, tiny_model, "-c", "ops", "--json", "--edit-last", "And Busan?")
+    assert code == 0 and json.loads(out)["usage"]["miss_reason"] == "edited"
+    assert main(["show", "ops", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)["messages"]
+    assert [m["content"] for m in shown if m["role"] == "user"] == ["Hello there", "And Busan?"]
+    assert len(shown) == 4
+    # Both need an existing conversation.
+    assert main(["ask", "--regenerate"]) == 2
+    assert "need -c NAME" in capsys.readouterr().err
+    assert main(["ask", "-c", "nope", "--edit-last", "x"]) == 2

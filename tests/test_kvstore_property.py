@@ -9,9 +9,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from localchat.kvstore import CacheInvalid, Geometry, KVStore, common_prefix
+from localchat.cachekinds import LeafSpec
+from localchat.kvstore import CacheInvalid, KVStore, Layout, common_prefix
 
-GEOM = Geometry("test-fingerprint", layers=2, kv_heads=1, head_dim=4, dtype="float16")
+
+def layout(dtype: str = "float16", layers: int = 2) -> Layout:
+    return Layout("test-fingerprint", dtype, tuple(
+        LeafSpec(str(i), "KVCache", "growing", (1, 4), (1, 4)) for i in range(layers)))
+
+
+GEOM = layout()
+LAYERS = 2
+
+
+def load(store: KVStore, lay: Layout = GEOM, **kw):
+    """(tokens, per-layer (keys, values)) as the session reads them, or None."""
+    man = store.checked_manifest(lay)
+    if man is None:
+        return None
+    return man.tokens, store.load_growing(man, len(man.tokens), **kw)
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("append"), st.integers(1, 9)),
@@ -23,7 +39,7 @@ ops = st.lists(st.one_of(
 
 def cache_from(rows: list[np.ndarray]) -> list:
     """A cache whose positions hold ``rows`` (each [2 (k/v), layers, heads, dim])."""
-    cache = [KVCache() for _ in range(GEOM.layers)]
+    cache = [KVCache() for _ in range(LAYERS)]
     if rows:
         arr = np.stack(rows)  # [n, 2, L, H, D]
         for layer, c in enumerate(cache):
@@ -46,7 +62,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
         if op == "append":
             new = rng.integers(0, 50, arg).tolist()
             tokens += new
-            rows += [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)
+            rows += [rng.standard_normal((2, LAYERS, 1, 4)).astype(np.float16)
                      for _ in new]
             store.commit(GEOM, tokens, cache_from(rows))
         elif op == "trim":
@@ -56,7 +72,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             # prefix stay; only later positions get new K/V.
             new_tokens = tokens[:k] + [99]
             same = common_prefix(tokens, new_tokens)
-            rows = rows[:same] + [rng.standard_normal((2, GEOM.layers, 1, 4)).astype(np.float16)
+            rows = rows[:same] + [rng.standard_normal((2, LAYERS, 1, 4)).astype(np.float16)
                                   for _ in new_tokens[same:]]
             tokens = new_tokens
             old = store.manifest()
@@ -70,7 +86,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
                     if s.end <= kept:
                         assert (folder / s.file).read_bytes() == before[s.file]
         elif op == "reload":
-            loaded = KVStore(folder).load(GEOM)
+            loaded = load(KVStore(folder))
             if not tokens:
                 assert loaded is None or loaded[0] == []
                 continue
@@ -88,7 +104,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             path.write_bytes(bytes(data))
             assert zlib.crc32(bytes(data)) != seg.crc32
             try:
-                KVStore(folder).load(GEOM)
+                load(KVStore(folder))
                 raise AssertionError("a flipped bit must not load")
             except CacheInvalid:
                 pass
@@ -96,7 +112,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             store.clear()
             tokens, rows = [], []
         disk = sum(s.nbytes for s in (store.manifest().segments if store.manifest() else []))
-        per_token = 2 * GEOM.layers * GEOM.kv_heads * GEOM.head_dim * 2
+        per_token = 2 * LAYERS * 1 * 4 * 2
         assert disk <= 1.05 * len(tokens) * per_token + 400 * len(
             store.manifest().segments if store.manifest() else [])
 
@@ -104,20 +120,20 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
 def test_bfloat16_and_float32_segments_round_trip(tmp_path):
     """Metal/CUDA models usually cache bfloat16, which numpy cannot hold: bits go through."""
     for dtype in ("bfloat16", "float32"):
-        geom = Geometry("fp", layers=2, kv_heads=1, head_dim=4, dtype=dtype)
+        geom = layout(dtype)
         cache = [KVCache() for _ in range(2)]
         for c in cache:
             k = mx.random.normal((1, 1, 5, 4)).astype(getattr(mx, dtype))
             c.state = (k, k * 2, 5)
         store = KVStore(tmp_path / dtype)
         store.commit(geom, [1, 2, 3, 4, 5], cache)
-        tokens, layers = store.load(geom, headroom=3)
+        tokens, layers = load(store, geom, headroom=3)
         assert tokens == [1, 2, 3, 4, 5]
         for (k, v), c in zip(layers, cache):
             assert k.dtype == getattr(mx, dtype) and k.shape == (1, 1, 8, 4)
             assert mx.array_equal(k[..., :5, :], c.state[0])
             assert mx.array_equal(v[..., :5, :], c.state[1])
             assert not mx.any(k[..., 5:, :]).item()
-        _, as_f32 = store.load(geom, dtype=mx.float32)
+        _, as_f32 = load(store, geom, dtype=mx.float32)
         assert as_f32[0][0].dtype == mx.float32
         assert mx.array_equal(as_f32[0][0], cache[0].state[0].astype(mx.float32))

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from twins import full_prefill, run_turn
 
 from localchat import paths
 from localchat.kvstore import MANIFEST
 from localchat.locks import ConversationLock
-from localchat.session import Notice, Session, TurnFinished
+from localchat.session import Session
 
 HELPER = str(Path(__file__).parent / "crash_helper.py")
 
@@ -50,23 +51,20 @@ def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
 
     conv = store.get(name)
     before = store.messages(conv)
+    manifest_file = paths.kv_root() / str(conv.id) / MANIFEST
+    manifest_text = manifest_file.read_text() if manifest_file.exists() else None
     try:
         man = KVStore(paths.kv_root() / str(conv.id)).manifest()
     except CacheInvalid:
         man = None
     history = [{"role": m.role, "content": m.content} for m in before]
-    rendered = engine.render(history + [{"role": "user", "content": prompt}])
-    reusable = min(common_prefix(man.tokens, rendered), len(rendered) - 1) if man else 0
+    prior = man.tokens if man else None
+    rendered = engine.render(history + [{"role": "user", "content": prompt}], prior)
+    reusable = min(common_prefix(prior, rendered), len(rendered) - 1) if man else 0
     fresh = Session(store, engine, paths.kv_root(), paths.locks_dir())
-    events = list(fresh.turn(conv, prompt, max_tokens=12))
-    resumed = [e for e in events if isinstance(e, TurnFinished)][0]
-    notices = [e.text for e in events if isinstance(e, Notice)]
-    ref = store.create(f"{name}-ref", conv.model, conv.system)
-    for m in before:
-        store.add_message(ref, m.role, m.content, m.partial)
-    ref_events = Session(store, engine, paths.kv_root(), paths.locks_dir()).turn(
-        ref, prompt, max_tokens=12, no_cache=True)
-    reference = [e for e in ref_events if isinstance(e, TurnFinished)][0]
+    resumed, notices = run_turn(fresh, conv, prompt)
+    reference = full_prefill(store, engine, conv, prompt, before,
+                             manifest_text if man else None)
     assert len(reference.tokens) >= 4  # two EOS-only replies would prove nothing
     assert resumed.tokens == reference.tokens
     return resumed, notices, reusable
@@ -283,6 +281,8 @@ def test_real_full_disk_keeps_every_reply_and_recovers(small_fs, wide_model):
                "WHERE conversation_id = 1)")
     db.commit()
     db.close()
+    # The twin's token list too (localchat keeps generated ids; see tests/twins.py).
+    shutil.copy(home / "kv" / "1" / MANIFEST, home / "kv" / "2" / MANIFEST)
     ref = cli(home, *ask_args(wide_model, "twin", "And now?", "--json", "--no-cache"))
     assert json.loads(ref.stdout)["reply"] == json.loads(run.stdout)["reply"]
 
@@ -323,7 +323,6 @@ def test_ctrl_c_mid_reply_saves_the_partial_reply(home, tiny_model, store, engin
     assert b"stopped; the partial reply is saved" in err
     last = messages(store, "int")[-1]
     assert last[0] == "assistant" and last[2] is True and last[1]
-    conv = store.get("int")
     # The cache holds what was fed before the stop, and the next turn reuses all of it.
     resumed, notices, reusable = next_turn_matches_full_prefill(store, engine, "int")
     assert notices == [] and resumed.usage.cached_tokens == reusable

@@ -2,16 +2,15 @@
 
 import json
 
+from twins import full_prefill, run_turn
+
 from localchat import paths
 from localchat.kvstore import common_prefix
-from localchat.session import Notice, Session, TurnFinished
+from localchat.session import Session, TurnOptions
 
 
 def run(session, conv, prompt, **kw):
-    events = list(session.turn(conv, prompt, max_tokens=kw.pop("max_tokens", 12), **kw))
-    done = [e for e in events if isinstance(e, TurnFinished)]
-    assert len(done) == 1
-    return done[0], [e.text for e in events if isinstance(e, Notice)]
+    return run_turn(session, conv, prompt, **kw)
 
 
 def restart(store, engine):
@@ -20,11 +19,8 @@ def restart(store, engine):
 
 
 def full_prefill_reply(store, engine, conv, prompt, messages=None, **kw):
-    """Copy ``conv``'s messages (or ``messages``) into a fresh conversation, answer uncached."""
-    ref = store.create(f"ref-{conv.name}-{len(store.list())}", conv.model, conv.system)
-    for m in store.messages(conv) if messages is None else messages:
-        store.add_message(ref, m.role, m.content)
-    return run(restart(store, engine), ref, prompt, no_cache=True, **kw)[0]
+    """The same turn on a twin of ``conv`` (its messages or ``messages``), uncached."""
+    return full_prefill(store, engine, conv, prompt, messages, **kw)
 
 
 def test_resume_from_disk_equals_full_prefill(store, engine, session):
@@ -36,15 +32,18 @@ def test_resume_from_disk_equals_full_prefill(store, engine, session):
     stored = session.kvstore(conv).manifest().tokens
     assert len(stored) == second.usage.context_tokens
     history = [{"role": m.role, "content": m.content} for m in store.messages(conv)]
-    rendered = engine.render(history + [{"role": "user", "content": "안녕하세요. 서울은 어때요?"}])
-    before = store.messages(conv)
+    new = [{"role": "user", "content": "안녕하세요. 서울은 어때요?"}]
+    rendered = engine.render(history + new, prior=stored)
+    canonical = engine.render(history + new)
     resumed, notes = run(restart(store, engine), conv, "안녕하세요. 서울은 어때요?")
     assert notes == []
     u = resumed.usage
     assert u.prompt_tokens == u.cached_tokens + u.prefilled_tokens == len(rendered)
-    # Every stored position up to the first token that re-renders differently is reused
-    # (random weights emit stray bytes that re-tokenize differently; real models do not).
-    assert u.cached_tokens == common_prefix(stored, rendered) >= second.usage.prompt_tokens
+    # The whole stored cache is reused: the replies' generated ids are kept even where their
+    # text would tokenize differently (random weights emit such pieces; real models too).
+    assert u.cached_tokens == len(stored) and u.miss_reason == ""
+    assert rendered[: len(stored)] == stored and common_prefix(canonical, stored) < len(stored)
+    before = store.messages(conv)[:-2]
     reference = full_prefill_reply(store, engine, conv, "안녕하세요. 서울은 어때요?", before)
     assert reference.usage.cached_tokens == 0 and len(resumed.tokens) == 12
     assert resumed.tokens == reference.tokens
@@ -71,17 +70,18 @@ def test_second_turn_prefills_only_the_new_message(store, engine, session):
 
 def test_edit_trims_the_cache_and_matches_full_prefill(store, engine, session):
     conv = store.create("edit", engine.ref.name)
-    run(session, conv, "The capital of France is")
+    first, _ = run(session, conv, "The capital of France is")
     run(session, conv, "And Korea?")
-    # Edit the last user message: drop it and its reply, send a different one.
     last_user = [m for m in store.messages(conv) if m.role == "user"][-1]
-    store.delete_messages_from(conv, last_user.seq)
-    edited, _ = run(restart(store, engine), conv, "And Seoul?", edited=True)
+    events = list(restart(store, engine).edit_last(conv, "And Seoul?", TurnOptions(12)))
+    edited = events[-1]
     assert edited.usage.miss_reason == "edited"
-    assert edited.usage.cached_tokens > 0
+    # Everything before the edited message is reused (the first turn's prompt and reply).
+    assert edited.usage.cached_tokens >= first.usage.context_tokens
+    assert [m.content for m in store.messages(conv)][-2] == "And Seoul?"
     store.delete_messages_from(conv, last_user.seq)
     reference = full_prefill_reply(store, engine, conv, "And Seoul?")
-    assert edited.tokens == reference.tokens
+    assert len(reference.tokens) >= 4 and edited.tokens == reference.tokens
 
 
 def test_retokenized_reply_is_absorbed_by_the_prefix_match(store, engine, session):
@@ -185,3 +185,16 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
     assert notes == [] and wrong.usage.cached_tokens > 0  # it was used
     reference = full_prefill_reply(store, engine, conv, "Tell me more.", before)
     assert wrong.tokens != reference.tokens
+
+
+def test_a_cancel_set_before_the_turn_starts_stops_it(store, engine, session):
+    from localchat.events import TurnFinished
+    from localchat.session import Cancel
+
+    conv = store.create("early-stop", engine.ref.name)
+    cancel = Cancel()
+    cancel.set()
+    events = list(session.turn(conv, "Hello", TurnOptions(max_tokens=50), cancel))
+    done = events[-1]
+    assert isinstance(done, TurnFinished) and done.stopped and done.tokens == ()
+    assert [m.content for m in store.messages(conv)] == ["Hello"]

@@ -114,7 +114,8 @@ async def test_regenerate_and_edit_reuse_the_cache(make_app):
         await settle(app, pilot)
         assert replies(app) == ["first answer", "regenerated"]
         status = status_text(app)
-        assert "miss: edited" in status and "cached 0 " not in status
+        # Only the last prompt token is fed again: the cache up to the message is reused.
+        assert "miss: regenerated" in status and "prefilled 1 " in status
         await pilot.press("ctrl+e")
         composer = app.query_one(Composer)
         assert composer.text == "Tell me more"
@@ -255,3 +256,43 @@ async def test_quit_mid_reply_keeps_the_partial_reply(make_app):
         await asyncio.sleep(0.05)
     assert msgs[-1].role == "assistant" and msgs[-1].partial
     assert 0 < len(msgs[-1].content) < len(long)
+
+
+async def test_a_stop_before_the_worker_starts_is_not_lost(make_app):
+    """Esc (or quitting) right after Enter, before the worker thread has begun the turn: the
+    turn's own cancel token is already set, so the turn stops at once."""
+    long = " ".join(["word"] * 300)
+    app, _ = make_app([long])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        start_worker, held = app.turn_worker, []
+        app.turn_worker = lambda *args: held.append(args)  # hold the worker back
+        await type_and_send(pilot, "Talk a lot")
+        assert len(held) == 1 and app.busy
+        await pilot.press("escape")
+        start_worker(*held[0])
+        await settle(app, pilot)
+        stored = app.store.messages(app.current)
+        assert [m.content for m in stored] == ["Talk a lot"]  # no reply: stopped at once
+        assert not app.busy
+
+
+async def test_the_app_honours_the_lock_timeout(make_app, monkeypatch):
+    from localchat import paths
+    from localchat.locks import ConversationLock
+
+    monkeypatch.setenv("LOCALCHAT_LOCK_TIMEOUT", "1")
+    app, _ = make_app(["never shown"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        conv = app.current
+        with ConversationLock(paths.locks_dir() / f"{conv.id}.lock", conv.name):
+            await type_and_send(pilot, "Hello?")
+            for _ in range(100):  # fails after ~1 s, not the default 60
+                await pilot.pause(0.05)
+                if not app.busy:
+                    break
+            await settle(app, pilot)
+        assert not app.busy
+        assert any("in use by another localchat process" in n.message
+                   for n in app._notifications)

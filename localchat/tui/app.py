@@ -21,8 +21,9 @@ from textual.widgets import Markdown as MarkdownWidget
 from .. import paths
 from ..engine import Engine
 from ..errors import LocalchatError
+from ..events import Notice, PrefillProgress, ReplyChunk, TurnFinished
 from ..models import DEFAULT_MODEL, list_local
-from ..session import Notice, PrefillProgress, ReplyChunk, Session, TurnFinished
+from ..session import Cancel, Session, TurnOptions, delete_conversation, open_session
 from ..store import Conversation, Store
 from .chatview import ChatView
 from .composer import Composer
@@ -75,6 +76,7 @@ class LocalchatApp(App):
         self.editing = False
         self._stream = None
         self._loaded_model: str | None = None
+        self._cancel: Cancel | None = None  # the running turn's
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -142,15 +144,17 @@ class LocalchatApp(App):
     def load_model_worker(self, name: str) -> None:
         model_arg = None if name == DEFAULT_MODEL else name
         try:
-            engine = self.load_engine(model_arg, lambda t: self.post_message(ModelProgressed(t)))
-            info = engine.info()
-            engine.fingerprint  # noqa: B018 - hash the weights now, not on the first turn
+            session = open_session(model_arg, load_engine=self.load_engine,
+                                   progress=lambda t: self.post_message(ModelProgressed(t)))
+            info = session.engine.info()
+            session.engine.layout()  # hash the weights now, not on the first turn
         except LocalchatError as err:
             self.post_message(ModelFailed(str(err)))
             return
-        store = Store.open(paths.database_path())
-        self.session = Session(store, engine, paths.kv_root(), paths.locks_dir())
-        self.post_message(ModelLoaded(info, tuple(engine.notices)))
+        if self.session is not None:
+            self.session.close()
+        self.session = session
+        self.post_message(ModelLoaded(info, tuple(session.engine.notices)))
 
     def on_model_progressed(self, msg: ModelProgressed) -> None:
         self.query_one(StatusBar).activity = msg.text
@@ -184,33 +188,43 @@ class LocalchatApp(App):
             self.notify("the model is busy or not loaded yet", severity="warning")
             return
         text = event.text
-        edited = False
-        if self.editing:
-            edited = True
-            self.editing = False
-            users = [m for m in self.store.messages(self.current) if m.role == "user"]
-            if users:
-                self.store.delete_messages_from(self.current, users[-1].seq)
-                self.query_one(ChatView).show(self.store.messages(self.current))
+        kind = "edit" if self.editing else "send"
+        self.editing = False
         event.composer.clear()
-        self.begin_turn(text, edited)
+        self.begin_turn(text, kind)
 
-    def begin_turn(self, prompt: str | None, edited: bool) -> None:
+    def begin_turn(self, prompt: str | None, kind: str) -> None:
+        """Show the turn and start it on the worker; ``kind``: send, edit or regenerate."""
         chat = self.query_one(ChatView)
+        if kind != "send":  # the session drops what the edit or regenerate replaces
+            stored = self.store.messages(self.current)
+            users = [m for m in stored if m.role == "user"]
+            if users:
+                cut = users[-1].seq + (1 if kind == "regenerate" else 0)
+                chat.show([m for m in stored if m.seq < cut])
         if prompt is not None:
             chat.add_user(prompt)
         reply = chat.add_reply()
         self._stream = MarkdownWidget.get_stream(reply)
         self.busy = True
+        self._cancel = Cancel()
         self.query_one(StatusBar).activity = "thinking…"
-        self.turn_worker(self.current, prompt, edited)
+        self.turn_worker(self.current, prompt, kind, self._cancel)
 
     @work(thread=True, exclusive=True, group="mlx")
-    def turn_worker(self, conv: Conversation, prompt: str | None, edited: bool) -> None:
+    def turn_worker(self, conv: Conversation, prompt: str | None, kind: str,
+                    cancel: Cancel) -> None:
         session = self.session
+        options = TurnOptions(max_tokens=self.max_tokens)
         try:
             conv = session.store.get(conv.name)
-            for ev in session.turn(conv, prompt, max_tokens=self.max_tokens, edited=edited):
+            if kind == "regenerate":
+                events = session.regenerate(conv, options, cancel)
+            elif kind == "edit":
+                events = session.edit_last(conv, prompt, options, cancel)
+            else:
+                events = session.turn(conv, prompt, options, cancel)
+            for ev in events:
                 if isinstance(ev, ReplyChunk):
                     self.post_message(ReplyStreamed(ev.text))
                 elif isinstance(ev, PrefillProgress):
@@ -279,8 +293,9 @@ class LocalchatApp(App):
         if session is None:
             label.update("")
             return
-        # The tokenizer is not MLX; it is fast enough for the UI thread at typing speed.
-        n = session.engine.count_tokens(text)
+        # The tokenizer is not MLX and fast enough for typing speed; the session guards it
+        # against the worker's use.
+        n = session.count_tokens(text)
         hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
         label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
 
@@ -291,8 +306,8 @@ class LocalchatApp(App):
         return len(self.screen_stack) > 1
 
     def action_stop(self) -> None:
-        if self.busy and self.session is not None:
-            self.session.stop()
+        if self.busy and self._cancel is not None:
+            self._cancel.set()
 
     async def action_quit(self) -> None:
         """Quit; a reply in progress is stopped first, so its partial text is saved.
@@ -300,8 +315,8 @@ class LocalchatApp(App):
         The worker thread then ends after one more token and saves the turn; Python waits for
         it before the process exits (executor threads are joined at exit).
         """
-        if self.busy and self.session is not None:
-            self.session.stop()
+        if self.busy and self._cancel is not None:
+            self._cancel.set()
         self.exit()
 
     def action_new(self) -> None:
@@ -314,14 +329,13 @@ class LocalchatApp(App):
     def action_regenerate(self) -> None:
         if self.busy or self.dialog_open or self.current is None:
             return
-        msgs = self.store.messages(self.current)
-        users = [m for m in msgs if m.role == "user"]
-        if not users:
+        if not any(m.role == "user" for m in self.store.messages(self.current)):
             self.notify("nothing to regenerate yet")
             return
-        self.store.delete_messages_from(self.current, users[-1].seq + 1)
-        self.query_one(ChatView).show(self.store.messages(self.current))
-        self.begin_turn(None, edited=True)
+        if self.session is None:
+            self.notify("the model is not loaded yet", severity="warning")
+            return
+        self.begin_turn(None, "regenerate")
 
     def action_edit_last(self) -> None:
         if self.busy or self.dialog_open or self.current is None:
@@ -358,7 +372,10 @@ class LocalchatApp(App):
         def done(yes: bool | None) -> None:
             if not yes:
                 return
-            self.store.delete(conv)
+            if self.session is not None:
+                self.session.delete(conv)  # also drops the session's memory of its cache
+            else:
+                delete_conversation(self.store, conv)
             convs = self.store.list()
             nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
             self.open_conversation(nxt)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from ..engine import ModelInfo
-from ..session import Usage
+from ..events import Usage
 
 
 @dataclass

@@ -8,8 +8,8 @@ from __future__ import annotations
 from textual.reactive import reactive
 from textual.widgets import Static
 
+from ..events import Usage
 from ..fmt import human_bytes
-from ..session import Usage
 
 
 def describe(usage: Usage) -> str:
@@ -23,8 +23,8 @@ def describe(usage: Usage) -> str:
         f"decode {usage.decode_tps:.1f} tok/s",
         f"KV {human_bytes(usage.cache_bytes)}",
     ]
-    if usage.snapshot:
-        parts.append("snapshot cache")
+    if usage.checkpoints:
+        parts.append("checkpoints")
     if usage.miss_reason:
         parts.append(f"miss: {usage.miss_reason}")
     return " · ".join(parts)

@@ -1,0 +1,108 @@
+"""What a turn yields: small frozen records that every front end consumes.
+
+``Session.turn`` (and ``Session.complete`` for batch lines) yield ``Notice``,
+``PrefillProgress`` and ``ReplyChunk`` events, then one ``TurnFinished`` carrying the ``Usage``
+record the status bar, ``ask --json`` and batch results show. ``Usage.of`` is the one place
+that computes its figures. Nothing here imports MLX.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Something the user should read once (cache rebuilt, waiting for a lock)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class ReplyChunk:
+    text: str
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Figures of one turn. ``prompt_tokens == cached_tokens + prefilled_tokens``."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    prefilled_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    context_tokens: int  # positions held by the cache after the turn
+    context_length: int
+    cache_bytes: int  # size of the conversation's cache on disk
+    bytes_written: int  # cache bytes this turn wrote
+    miss_reason: str  # why more than the new message was prefilled: "", "edited", ...
+    checkpoints: bool = False  # the model has bounded layers: resumes from checkpoints
+
+    @classmethod
+    def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
+           t0: float, t_first: float, t_last: float, prefill_s: float, context_tokens: int,
+           context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
+           miss_reason: str = "", checkpoints: bool = False) -> Usage:
+        """Build the record from counts and clock readings (``time.perf_counter``).
+
+        Args:
+            t0: the turn's start; t_first / t_last: the first and last generated token.
+            prefill_s: seconds spent prefilling ``prompt_tokens - cached_tokens`` tokens.
+        """
+        prefilled = prompt_tokens - cached_tokens
+        decode_s = t_last - t_first
+        return cls(
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
+            prefilled_tokens=prefilled,
+            completion_tokens=completion_tokens,
+            ttft_s=t_first - t0,
+            prefill_tps=prefilled / prefill_s if prefill_s > 0 else 0.0,
+            decode_tps=((completion_tokens - 1) / decode_s
+                        if completion_tokens > 1 and decode_s > 0 else 0.0),
+            context_tokens=context_tokens,
+            context_length=context_length,
+            cache_bytes=cache_bytes,
+            bytes_written=bytes_written,
+            miss_reason=miss_reason,
+            checkpoints=checkpoints,
+        )
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def public(self) -> dict:
+        """The usage object of ``ask --json`` and batch results."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "completion_tokens": self.completion_tokens,
+            "ttft_s": round(self.ttft_s, 4),
+            "prefill_tps": round(self.prefill_tps, 1),
+            "decode_tps": round(self.decode_tps, 1),
+            "cache_bytes": self.cache_bytes,
+            "bytes_written": self.bytes_written,
+            "miss_reason": self.miss_reason,
+        }
+
+
+@dataclass(frozen=True)
+class TurnFinished:
+    reply: str
+    usage: Usage
+    stopped: bool  # the reply was cut short by the user; it is saved marked partial
+    tokens: tuple[int, ...] = ()  # the generated token ids, EOS included when produced
+
+
+Event = Notice | PrefillProgress | ReplyChunk | TurnFinished
