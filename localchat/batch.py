@@ -87,6 +87,8 @@ class BatchOptions:
     max_tokens: int = 256
     temp: float = 0.0
     parallel: int = 1  # decode up to N consecutive prompt lines together
+    kv_bits: int | None = None  # KV setting for the conversations of `conversation` lines
+    kv_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,9 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
             if conv.model != session.model_name:
                 raise BadInput(f"conversation {conv.name!r} uses model {conv.model}; "
                                f"run the batch with -m {conv.model}")
+            if options.kv_bits is not None:
+                conv = session.conversation(conv.name, kv_bits=options.kv_bits,
+                                            kv_group=options.kv_group)
             events = session.turn(conv, job.prompt, turn)
         else:
             events = session.complete(job.messages, pool, turn)

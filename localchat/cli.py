@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = add("chat", cmd_chat)
     c.add_argument("-c", "--conversation", metavar="NAME")
     c.add_argument("-m", "--model", metavar="MODEL")
+    add_kv_flags(c)
 
     a = add("ask", cmd_ask)
     a.add_argument("prompt", nargs="?", metavar="PROMPT", help="the message; '-' reads stdin")
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    add_kv_flags(a)
     edit = a.add_mutually_exclusive_group()
     edit.add_argument("--regenerate", action="store_true",
                       help="drop the last reply of -c NAME and answer its last message again")
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--resume", action="store_true",
                    help="skip ids already present in OUT.jsonl")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_kv_flags(b, "for the conversations of `conversation` lines")
     b.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
@@ -105,6 +108,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def add_kv_flags(p: argparse.ArgumentParser, which: str = "for the conversation") -> None:
+    p.add_argument("--kv-bits", type=int, choices=[0, 4, 8], default=None, metavar="{8,4,0}",
+                   help=f"store the KV cache {which} quantized to 8 or 4 bits (0: float16); "
+                        "remembered; refused if it fails the model's quality gate")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=None,
+                   metavar="{32,64,128}", help="quantization group (default: from head dim)")
 
 
 def open_store():
@@ -186,7 +197,8 @@ def cmd_ask(args) -> int:
     if (args.regenerate or args.edit_last) and known is None:
         raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
     session = open_session(args.model or (known.model if known else None))
-    conv = session.conversation(args.conversation, system=args.system)
+    conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
+                                kv_group=args.kv_group_size)
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
@@ -244,7 +256,8 @@ def cmd_chat(args) -> int:
     from .tui.app import run_app
 
     return run_app(conversation=getattr(args, "conversation", None),
-                   model=getattr(args, "model", None))
+                   model=getattr(args, "model", None), kv_bits=getattr(args, "kv_bits", None),
+                   kv_group=getattr(args, "kv_group_size", None))
 
 
 def cmd_batch(args) -> int:
@@ -253,7 +266,8 @@ def cmd_batch(args) -> int:
 
     from .batch import BatchOptions, Progress, done_ids, parse_lines, read_lines, run_batch
 
-    options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel)
+    options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
+                           kv_bits=args.kv_bits, kv_group=args.kv_group_size)
     if options.parallel < 1:
         raise BadInput("--parallel must be at least 1")
     lines = read_lines(args.file)

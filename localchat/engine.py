@@ -159,10 +159,12 @@ class Engine:
             unknown=unknown,
         )
 
-    def layout(self) -> Layout:
-        """What this model's caches on disk are validated against (see ``kvstore.Layout``)."""
+    def layout(self, quant: ck.KVQuant | None = None) -> Layout:
+        """What this model's caches on disk are validated against (see ``kvstore.Layout``),
+        for a conversation storing its K/V as ``quant`` (None: float16/bfloat16)."""
         info = self.info()
-        return Layout(self.cache_fingerprint, info.kv_dtype, self._layout)
+        return Layout(self.cache_fingerprint, info.kv_dtype, self._layout,
+                      quant.bits if quant else 0, quant.group if quant else 0)
 
     # -- text ------------------------------------------------------------------------------
 

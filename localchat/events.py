@@ -2,8 +2,9 @@
 
 ``Session.turn`` (and ``Session.complete`` for batch lines) yield ``Notice``,
 ``PrefillProgress`` and ``ReplyChunk`` events, then one ``TurnFinished`` carrying the ``Usage``
-record the status bar, ``ask --json`` and batch results show. ``Usage.of`` is the one place
-that computes its figures. Nothing here imports MLX.
+record the status bar, ``ask --json`` and batch results show; ``Session.prefill_draft`` yields
+``DraftProgress``. ``Usage.of`` is the one place that computes its figures. Nothing here
+imports MLX.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ class ReplyChunk:
 
 
 @dataclass(frozen=True)
+class DraftProgress:
+    """How much of an unsent message is prefilled (``Session.prefill_draft``).
+
+    ``total``: tokens the message adds to the conversation (its text and the template's
+    framing); ``target``: the stable ones a draft prefills (the last word, the end of the
+    message and the generation prompt are held back); ``done``: those prefilled so far.
+    """
+
+    done: int
+    target: int
+    total: int
+
+    @property
+    def ready(self) -> bool:
+        return self.done >= self.target
+
+
+@dataclass(frozen=True)
 class Usage:
     """Figures of one turn. ``prompt_tokens == cached_tokens + prefilled_tokens``."""
 
@@ -46,12 +65,13 @@ class Usage:
     bytes_written: int  # cache bytes this turn wrote
     miss_reason: str  # why more than the new message was prefilled: "", "edited", ...
     checkpoints: bool = False  # the model has bounded layers: resumes from checkpoints
+    draft_tokens: int = 0  # of cached_tokens: the message's, prefilled before it was sent
 
     @classmethod
     def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
            t0: float, t_first: float, t_last: float, prefill_s: float, context_tokens: int,
            context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
-           miss_reason: str = "", checkpoints: bool = False) -> Usage:
+           miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0) -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
@@ -75,6 +95,7 @@ class Usage:
             bytes_written=bytes_written,
             miss_reason=miss_reason,
             checkpoints=checkpoints,
+            draft_tokens=draft_tokens,
         )
 
     @property

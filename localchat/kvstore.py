@@ -37,7 +37,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cachekinds import Captured, LeafSpec
+from .cachekinds import Captured, KVQuant, LeafSpec
 from .files import atomic_write, write_tensors
 
 FORMAT = "localchat-kv"
@@ -59,6 +59,12 @@ class Layout:
     fingerprint: str  # model files digest + cache settings (see Engine.cache_fingerprint)
     dtype: str  # storage dtype of growing K/V ("float16" on the CPU path)
     leaves: tuple[LeafSpec, ...]
+    kv_bits: int = 0  # 8 or 4: growing K/V stored quantized (cachekinds.KVQuant); 0: not
+    kv_group: int = 0
+
+    @property
+    def quant(self) -> KVQuant | None:
+        return KVQuant(self.kv_bits, self.kv_group) if self.kv_bits else None
 
     @property
     def growing(self) -> list[LeafSpec]:
@@ -111,6 +117,8 @@ class Manifest:
             "version": VERSION,
             "fingerprint": lay.fingerprint,
             "dtype": lay.dtype,
+            "kv_bits": lay.kv_bits,
+            "kv_group": lay.kv_group,
             "leaves": [s.to_json() for s in lay.leaves],
             "segments": [s.__dict__ for s in self.segments],
             "checkpoints": [c.to_json() for c in self.checkpoints],
@@ -126,7 +134,8 @@ class Manifest:
             if d.get("version") != VERSION:
                 raise CacheInvalid(f"cache format version {d.get('version')} is not {VERSION}")
             layout = Layout(str(d["fingerprint"]), str(d["dtype"]),
-                            tuple(LeafSpec.from_json(v) for v in d["leaves"]))
+                            tuple(LeafSpec.from_json(v) for v in d["leaves"]),
+                            int(d["kv_bits"]), int(d["kv_group"]))
             segs = [Segment(**s) for s in d["segments"]]
             ckpts = [Checkpoint.from_json(c) for c in d["checkpoints"]]
             tokens = [int(t) for t in d["tokens"]]
@@ -176,6 +185,8 @@ class KVStore:
             return None
         if man.layout.fingerprint != layout.fingerprint:
             raise CacheInvalid("model changed")
+        if (man.layout.kv_bits, man.layout.kv_group) != (layout.kv_bits, layout.kv_group):
+            raise CacheInvalid("KV cache bits changed")
         if man.layout != layout:
             raise CacheInvalid("cache layout differs from the model")
         return man
@@ -191,14 +202,16 @@ class KVStore:
 
     def load_growing(self, man: Manifest, upto: int, dtype=None, headroom: int = 0) -> list:
         """Per growing leaf, (keys, values) [1, heads, upto + headroom, width] of positions
-        [0, upto). ``dtype``: the dtype to return (default: the stored one)."""
+        [0, upto), dequantized when stored quantized. ``dtype``: the dtype to return
+        (default: the stored one)."""
         import mlx.core as mx
         import numpy as np
 
         specs = man.layout.growing
         if not specs or upto == 0:
             return [(None, None) for _ in specs]
-        parts: list[list] = [[] for _ in specs]  # per leaf: (k, v) numpy views per segment
+        target = str(dtype or man.layout.dtype).replace("mlx.core.", "")
+        parts: list[list] = [[] for _ in specs]  # per leaf: (k, v) per segment
         for seg in man.segments:
             if seg.start >= upto:
                 break
@@ -206,16 +219,12 @@ class KVStore:
             arrays = read_safetensors(data, seg.file)
             n = seg.end - seg.start
             for j, spec in enumerate(specs):
-                k, v = arrays.get(f"k.{j}"), arrays.get(f"v.{j}")
-                if (k is None or v is None or k.dtype_name != man.layout.dtype
-                        or k.shape != (spec.k_shape[0], n, spec.k_shape[1])
-                        or v.shape != (spec.v_shape[0], n, spec.v_shape[1])):
-                    raise CacheInvalid(f"segment {seg.file} has the wrong shape or dtype")
-                parts[j].append((k.array, v.array))
+                parts[j].append(tuple(
+                    self._side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file, target)
+                    for side, shape in (("k", spec.k_shape), ("v", spec.v_shape))))
         # One buffer per leaf, filled segment by segment and cast on the way (numpy's
         # float16 -> float32 is vectorised), with zero headroom: one pass over the data, and
         # each buffer is owned by its cache alone, so appends update it in place.
-        target = str(dtype or man.layout.dtype).replace("mlx.core.", "")
         cast_in_numpy = "bfloat16" not in (target, man.layout.dtype)
         out = []
         for spec, pieces in zip(specs, parts):
@@ -236,6 +245,33 @@ class KVStore:
             out.append(tuple(pair))
         mx.eval(out)
         return out
+
+    @staticmethod
+    def _side(arrays: dict, name: str, shape: tuple[int, int], n: int, layout: Layout,
+              file: str, target: str):
+        """One leaf's keys or values of a segment: a numpy view of float data, or float data
+        dequantized from ``name.w/.s/.b``."""
+        import mlx.core as mx
+        import numpy as np
+
+        heads, width = shape
+        plain = arrays.get(name)
+        if plain is not None:
+            if plain.dtype_name not in (layout.dtype, "float16") or plain.shape != (heads, n,
+                                                                                   width):
+                raise CacheInvalid(f"segment {file} has the wrong shape or dtype")
+            return plain.array
+        q = layout.quant
+        w, sc, bi = (arrays.get(f"{name}.{x}") for x in "wsb")
+        if q is None or w is None or sc is None or bi is None or \
+                w.shape != (heads, n, width * q.bits // 32) or \
+                sc.shape != (heads, n, width // q.group) or bi.shape != sc.shape:
+            raise CacheInvalid(f"segment {file} has the wrong shape or dtype")
+        deq = mx.dequantize(mx.array(w.array), mx.array(sc.array), mx.array(bi.array),
+                            group_size=q.group, bits=q.bits)
+        if target == "bfloat16":  # numpy has no bfloat16: hand back float32 to cast later
+            target = "float32"
+        return np.array(deq.astype(getattr(mx, target)))
 
     def load_checkpoint(self, ckpt: Checkpoint) -> Captured:
         """The bounded leaves' state stored in ``ckpt``, in their in-memory dtypes."""
@@ -266,7 +302,8 @@ class KVStore:
     # -- writing ---------------------------------------------------------------------------
 
     def commit(self, layout: Layout, tokens: list[int], cache: list,
-               new_checkpoints: list[Captured] = ()) -> int:
+               new_checkpoints: list[Captured] = (), keep_upto: int | None = None,
+               encode=None) -> int:
         """Make the disk hold ``tokens`` and their cache; return bytes written.
 
         Growing leaves: keeps every stored segment inside the longest common prefix of the
@@ -275,6 +312,12 @@ class KVStore:
         writes ``new_checkpoints`` (taken during this turn) and keeps stored checkpoints that
         still lie inside the common prefix, the newest ``KEEP_CHECKPOINTS`` in all. The
         manifest goes last.
+
+        Args:
+            keep_upto: keep stored positions only below this one (the turn's resume point:
+                positions from there were recomputed this turn, and memory holds those).
+            encode: ``encode(start, end) -> tensors`` of a new segment (quantized ones);
+                default: float slices of the cache in ``layout.dtype``.
         """
         try:
             old = self.manifest()
@@ -286,6 +329,8 @@ class KVStore:
         taken = ({s.file for s in old.segments} | {c.file for c in old.checkpoints}
                  if old else set())  # names never reused
         k = common_prefix(old.tokens, tokens) if old else 0
+        if keep_upto is not None:
+            k = min(k, keep_upto)
         keep: list[Segment] = []
         written = 0
         if layout.growing:
@@ -293,12 +338,15 @@ class KVStore:
                 if seg.end <= k:
                     keep.append(seg)
                 elif seg.start < k:  # cut by an edit: rewrite its kept part
-                    new = self._write_segment(layout, cache, seg.start, k, taken)
+                    try:
+                        new = self._cut_segment(seg, k, taken)
+                    except CacheInvalid:  # damaged since it was read: write what memory has
+                        new = self._write_segment(layout, cache, seg.start, k, taken, encode)
                     written += new.nbytes
                     keep.append(new)
             pos = keep[-1].end if keep else 0
             if pos < len(tokens):
-                new = self._write_segment(layout, cache, pos, len(tokens), taken)
+                new = self._write_segment(layout, cache, pos, len(tokens), taken, encode)
                 written += new.nbytes
                 keep.append(new)
         ckpts = {c.pos: c for c in (old.checkpoints if old else []) if c.pos <= k}
@@ -325,19 +373,36 @@ class KVStore:
         self.remove_strays(set())
 
     def _write_segment(self, layout: Layout, cache: list, start: int, end: int,
-                       taken: set[str]) -> Segment:
+                       taken: set[str], encode=None) -> Segment:
         import mlx.core as mx
 
         from .cachekinds import GROWING, growing_kv, kind_of, leaves
 
-        dtype = getattr(mx, layout.dtype)
-        tensors = {}
-        growing = [obj for _, obj in leaves(cache) if kind_of(obj) == GROWING]
-        for j, obj in enumerate(growing):
-            k, v = growing_kv(obj, start, end)
-            tensors[f"k.{j}"], tensors[f"v.{j}"] = k.astype(dtype), v.astype(dtype)
+        if encode is not None:
+            tensors = encode(start, end)
+        else:
+            dtype = getattr(mx, layout.dtype)
+            tensors = {}
+            growing = [obj for _, obj in leaves(cache) if kind_of(obj) == GROWING]
+            for j, obj in enumerate(growing):
+                k, v = growing_kv(obj, start, end)
+                tensors[f"k.{j}"], tensors[f"v.{j}"] = k.astype(dtype), v.astype(dtype)
         name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
         return Segment(name, start, end, crc, nbytes)
+
+    def _cut_segment(self, seg: Segment, end: int, taken: set[str]) -> Segment:
+        """Positions [seg.start, end) of a stored segment, copied from its own bytes (so a
+        quantized segment is never quantized twice)."""
+        import mlx.core as mx
+
+        arrays = read_safetensors(self._read(seg.file, seg.crc32, seg.nbytes), seg.file)
+        n = end - seg.start
+        tensors = {}
+        for name, stored in arrays.items():
+            arr = mx.array(stored.array[:, :n])
+            tensors[name] = arr.view(mx.bfloat16) if stored.dtype_name == "bfloat16" else arr
+        name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
+        return Segment(name, seg.start, end, crc, nbytes)
 
     def _write_checkpoint(self, snap: Captured, taken: set[str]) -> Checkpoint:
         import mlx.core as mx

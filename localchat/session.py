@@ -18,6 +18,10 @@ share a prefix of length k. Growing layers are cut to any position; bounded laye
 back at a checkpoint, so a turn resumes from p = the latest checkpoint ≤ k (p = k when every
 layer grows). Checkpoints are taken at the end of each prompt's prefill (one token before the
 reply: regenerate resumes there) and at the end of each reply (the next turn resumes there).
+
+Drafts (``prefill_draft``): while the user is still typing, the app prefills the message's
+stable tokens into the cache in memory; the turn that sends it starts from the part that
+matches its own rendering, so only the rest is prefilled after Enter.
 """
 
 from __future__ import annotations
@@ -30,19 +34,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cachekinds as ck
-from . import paths
+from . import drafts, paths
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, StorageError
-from .events import Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
+from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from .kvstore import CacheInvalid, KVStore, Manifest, common_prefix
 from .locks import ConversationLock
 from .prefixes import PrefixPool
 from .store import Conversation, Store
 
-__all__ = ["Cancel", "Event", "Notice", "PrefillProgress", "ReplyChunk", "Session",
-           "TurnFinished", "TurnOptions", "Usage", "open_session"]
+__all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "ReplyChunk",
+           "Session", "TurnFinished", "TurnOptions", "Usage", "open_session"]
 
 HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place
+# A draft prefills this many tokens at a time, checking between chunks whether the user typed
+# again (or sent it): ~0.25 s of the default model on a 2-core CPU.
+DRAFT_CHUNK = 64
+DRAFT_CHECKPOINTS = 3  # bounded states kept past the history's end while a draft grows
 
 
 @dataclass(frozen=True)
@@ -102,13 +110,22 @@ def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None =
 
 @dataclass
 class _Live:
-    """The cache of the last conversation this process ran, kept in memory between turns."""
+    """The cache of the last conversation this process ran, kept in memory between turns.
+
+    ``cache`` holds exactly ``tokens``. Its first ``on_disk`` tokens are the manifest's; a
+    draft prefilled before Enter (``Session.prefill_draft``) adds more, in memory only.
+    """
 
     conversation_id: int
     fingerprint: str
     tokens: list[int]
     cache: list
     checkpoints: dict[int, ck.Captured]
+    on_disk: int = -1  # -1: all of ``tokens``
+
+    def __post_init__(self) -> None:
+        if self.on_disk < 0:
+            self.on_disk = len(self.tokens)
 
 
 @dataclass
@@ -136,6 +153,7 @@ class _Start:
     checkpoints: dict[int, ck.Captured]
     changed: str = ""  # the rendering differs from the cached tokens before their end
     fallback: str = ""  # bounded layers resumed from a checkpoint before that point
+    draft: int = 0  # of ``pos``: tokens past the disk's, prefilled as a draft before Enter
 
 
 class Session:
@@ -162,18 +180,56 @@ class Session:
     def model_name(self) -> str:
         return self.engine.ref.name
 
-    def conversation(self, name: str | None, *, system: str | None = None) -> Conversation:
+    def conversation(self, name: str | None, *, system: str | None = None,
+                     kv_bits: int | None = None, kv_group: int | None = None) -> Conversation:
         """The conversation ``name`` (created if new; a fresh name if None), set to this
-        session's model and, when given, to ``system``."""
+        session's model and, when given, to ``system`` and to a KV cache setting.
+
+        Args:
+            kv_bits: 8 or 4 to store the conversation's K/V quantized, 0 for float16, None to
+                keep its setting. ``kv_group``: the group size (default: ``default_group`` of
+                the model's head dim). Checked against the model and the quality gate.
+        Raises:
+            BadInput: a setting this model cannot take, or one that fails the gate.
+        """
+        changes = {}
+        if kv_bits is not None:
+            quant = self._check_quant(kv_bits, kv_group)
+            changes["kv_bits"] = quant.bits if quant else None
+            changes["kv_group"] = quant.group if quant else None
         conv = self.store.find(name) if name else None
         if conv is None:
-            return self.store.create(name or self.store.unique_name(), self.model_name, system)
-        changes = {}
-        if conv.model != self.model_name:
-            changes["model"] = self.model_name
-        if system is not None and system != conv.system:
-            changes["system"] = system
+            conv = self.store.create(name or self.store.unique_name(), self.model_name, system)
+        else:
+            if conv.model != self.model_name:
+                changes["model"] = self.model_name
+            if system is not None and system != conv.system:
+                changes["system"] = system
         return self.store.update(conv, **changes) if changes else conv
+
+    def _check_quant(self, bits: int, group: int | None) -> ck.KVQuant | None:
+        from . import kvquality
+
+        if bits == 0:
+            return None
+        if bits not in (4, 8):
+            raise BadInput("--kv-bits must be 8 or 4 (or 0 for float16)")
+        growing = self.engine.layout().growing
+        if not growing:
+            raise BadInput(f"{self.model_name} keeps no growing K/V to quantize")
+        width = growing[0].k_shape[1]
+        group = group or ck.default_group(width)
+        if group not in (32, 64, 128) or not any(ck.KVQuant(bits, group).fits(s)
+                                                 for s in growing):
+            raise BadInput(f"--kv-group-size must be 32, 64 or 128 and divide the head "
+                           f"dimension ({width} for {self.model_name})")
+        quant = ck.KVQuant(bits, group)
+        kvquality.check(self.engine, quant)
+        return quant
+
+    @staticmethod
+    def _quant(conv: Conversation) -> ck.KVQuant | None:
+        return ck.KVQuant(conv.kv_bits, conv.kv_group) if conv.kv_bits else None
 
     def rename(self, conv: Conversation, name: str) -> Conversation:
         return self.store.update(conv, name=name.strip())
@@ -243,9 +299,7 @@ class Session:
 
     def _turn(self, conv, prompt, options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
-        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
-        if conv.system and not any(m["role"] == "system" for m in history):
-            history.insert(0, {"role": "system", "content": conv.system})
+        history = self._history(conv)
         if prompt is not None:
             history.append({"role": "user", "content": prompt})
         elif not history or history[-1]["role"] != "user":
@@ -284,7 +338,8 @@ class Session:
                                 run.stopped and run.logits_ready, notes)
         for text in notes:
             yield Notice(text)
-        usage = self._usage(tokens, start.pos, run, t0, kv.disk_bytes(), written, reason)
+        usage = self._usage(tokens, start.pos, run, t0, kv.disk_bytes(), written, reason,
+                            start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def complete(self, messages: list[dict], pool: PrefixPool,
@@ -319,20 +374,121 @@ class Session:
             )
         return tokens, min(max_tokens, room)
 
+    def _history(self, conv: Conversation) -> list[dict]:
+        """The stored messages as the template takes them, the system prompt first."""
+        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
+        if conv.system and not any(m["role"] == "system" for m in history):
+            history.insert(0, {"role": "system", "content": conv.system})
+        return history
+
+    # -- drafts: the next message, prefilled before it is sent -------------------------------
+
+    def prefill_draft(self, conv: Conversation, text: str, cancel: Cancel
+                      ) -> Iterator[DraftProgress]:
+        """Prefill the stable part of an unsent message into the conversation's cache in
+        memory, so that the turn that sends it starts from there.
+
+        Renders the conversation with ``text`` as a new user message, holds back what may
+        still change (``drafts.stable_tokens``: the last word, the end of the message, the
+        generation prompt) and prefills the rest after the cached history, ``DRAFT_CHUNK``
+        tokens at a time, checking ``cancel`` between chunks. Nothing goes to the database or
+        the disk. The next turn of ``conv`` keeps what matches its own rendering (``_start``):
+        an edit keeps the prefilled tokens before it, and the reply is the one it would be
+        without a draft. A turn of another conversation or of another process drops it, and
+        so does quitting. Nothing is done for a damaged or missing cache (the turn rebuilds
+        it), a model whose cache is not kept, a template that rewrites the end of the
+        history, or a message over the context.
+
+        Not concurrently with a turn of this session: the app runs both under one lock.
+
+        Yields:
+            DraftProgress: first what is prefilled already, then after each chunk.
+        """
+        engine = self.engine
+        if cancel.is_set() or not text.strip() or engine.info().unknown:
+            return
+        kv = self.kvstore(conv)
+        prior, man, note = self._prior(conv, kv, False, draft=True)
+        if note not in ("", "new conversation"):
+            return
+        messages = self._history(conv) + [{"role": "user", "content": text}]
+        tokens = engine.render(messages, prior)
+        on_disk = len(prior or ())
+        if common_prefix(prior or [], tokens) < on_disk or \
+                len(tokens) >= engine.info().context_length:
+            return
+        target = drafts.stable_tokens(engine, messages, tokens, on_disk)
+        live = self._live  # this conversation's (``_prior`` dropped any other) or None
+
+        def progress(fed: int) -> DraftProgress:
+            return DraftProgress(max(0, min(fed, target) - on_disk), target - on_disk,
+                                 len(tokens) - on_disk)
+
+        if target == on_disk or (live and common_prefix(live.tokens, tokens) >= target):
+            yield progress(target)
+            return
+        start = self._start(kv, prior, man, tokens[:target], False, draft=True)
+        if start.changed.startswith("cache rebuilt"):
+            return
+        self._live = live = _Live(conv.id, engine.cache_fingerprint, tokens[: start.pos],
+                                  start.cache, dict(start.checkpoints), on_disk)
+        yield progress(start.pos)
+        bounded = bool(ck.bounded(live.cache))
+        # Bounded caches get checkpoints as the draft grows (an edit goes back to one), and
+        # one at the history's end when resumed before it.
+        ends = [on_disk] if bounded and start.pos < on_disk else []
+        for end in ends + [target]:
+            first = len(live.tokens)
+            steps = engine.prefill(tokens[first:end], live.cache, DRAFT_CHUNK)
+            while not cancel.is_set():
+                try:
+                    done, _ = next(steps)
+                except StopIteration:
+                    done = end - first
+                except BaseException:
+                    self._live = None  # stopped inside a model step: the cache is unknown
+                    raise
+                live.tokens = tokens[: first + done]
+                if bounded and (len(live.tokens) > on_disk or len(live.tokens) == end):
+                    self._keep_draft_checkpoint(live)
+                if len(live.tokens) == end:
+                    break
+                yield progress(len(live.tokens))
+            steps.close()
+            if cancel.is_set():
+                break
+        yield progress(len(live.tokens))
+
+    @staticmethod
+    def _keep_draft_checkpoint(live: _Live) -> None:
+        """Capture the bounded state where the draft now ends. Kept: the history's
+        checkpoints, and past them the newest ``DRAFT_CHECKPOINTS`` at least 8 tokens apart
+        (not all at the last few words typed), so that an edit restores a state near it."""
+        pos = len(live.tokens)
+        live.checkpoints[pos] = ck.capture(live.cache, pos)
+        kept: list[int] = []
+        for q in sorted((q for q in live.checkpoints if q > live.on_disk), reverse=True):
+            if len(kept) < DRAFT_CHECKPOINTS and (not kept or kept[-1] - q >= 8):
+                kept.append(q)
+            else:
+                del live.checkpoints[q]
+
     # -- where a turn starts -----------------------------------------------------------------
 
-    def _prior(self, conv: Conversation, kv: KVStore, no_cache: bool
+    def _prior(self, conv: Conversation, kv: KVStore, no_cache: bool, *, draft: bool = False
                ) -> tuple[list[int] | None, Manifest | None, str]:
         """(the conversation's cached token list, its valid manifest, a note).
 
         The token list also aligns the rendering (``Engine.render``), so ``--no-cache`` reads
-        it too and only ignores the K/V.
+        it too and only ignores the K/V. ``draft``: for ``prefill_draft``, which writes
+        nothing: an invalid cache is left for the turn to clear (and to say why).
         """
         live = self._live
         try:
-            man = kv.checked_manifest(self.engine.layout())
+            man = kv.checked_manifest(self.engine.layout(self._quant(conv)))
         except CacheInvalid as err:
-            kv.clear()
+            if not draft:
+                kv.clear()
             self._live = None
             return None, None, f"cache rebuilt: {err}"
         except OSError as err:
@@ -342,40 +498,50 @@ class Session:
             kv.clear()  # a fresh cache is written at the end of the turn
             return (man.tokens if man else None), None, "cache ignored (--no-cache)"
         if man is None:
-            self._live = None
+            # Memory may hold a draft of this new conversation (nothing of it on disk).
+            if not (live and live.conversation_id == conv.id and live.on_disk == 0
+                    and live.fingerprint == self.engine.cache_fingerprint):
+                self._live = None
             if self.engine.info().unknown:
                 return None, None, "this model's cache is not kept"
             return None, None, ("cache rebuilt: no cache on disk" if conv.tokens > 0
                                 else "new conversation")
-        # Trust memory only if the disk still agrees (another process may have moved on).
-        if not (live and live.conversation_id == conv.id and live.tokens == man.tokens
+        # Trust memory only if the disk still agrees (another process may have moved on);
+        # memory may hold more: a draft prefilled before Enter.
+        if not (live and live.conversation_id == conv.id and live.on_disk == len(man.tokens)
+                and live.tokens[:live.on_disk] == man.tokens
                 and live.fingerprint == self.engine.cache_fingerprint):
             self._live = None
         return man.tokens, man, ""
 
     def _start(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
-               no_cache: bool) -> _Start:
-        """The cache to prefill from: memory when it holds this conversation, else disk."""
-        engine = self.engine
-        if not prior or no_cache or man is None:
+               no_cache: bool, *, draft: bool = False) -> _Start:
+        """The cache to prefill from: memory when it holds this conversation, else disk.
+
+        Memory may hold more than the disk (``prior``): a draft prefilled before Enter. Its
+        tokens count where they match ``tokens``; the rest of it is cut like any other.
+        """
+        engine, live = self.engine, self._live
+        cached = live.tokens if live is not None else prior
+        if not cached or no_cache or (man is None and live is None):
             return _Start(engine.new_cache(), 0, {})
-        k = min(common_prefix(prior, tokens), len(tokens) - 1)
-        changed = "" if k == len(prior) else \
-            f"re-rendered: the conversation differs {len(prior) - k} tokens back"
+        base = len(prior or ())  # what the disk holds
+        k = min(common_prefix(cached, tokens), len(tokens) - 1)
+        changed = "" if k >= base else \
+            f"re-rendered: the conversation differs {base - k} tokens back"
         fallback = ""
-        live = self._live
         if not engine.layout().has_bounded:
             p, snap = k, None
         else:
             held = dict(live.checkpoints) if live else {}
-            on_disk = man.checkpoint_at_most(k)
+            on_disk = man.checkpoint_at_most(k) if man else None
             p = max([q for q in held if q <= k] + [on_disk.pos if on_disk else 0])
-            if live and k == len(prior):
+            if live and k == len(live.tokens):
                 p = k  # an exact extension: the bounded state in memory is already there
             snap = held.get(p)
-            if p < k:
-                fallback = (f"resumed from the checkpoint {k - p} tokens back (this model's "
-                            "cache cannot be cut there)")
+            if p < min(k, base):  # (a draft's own tail recomputed is no miss)
+                fallback = (f"resumed from the checkpoint {min(k, base) - p} tokens back "
+                            "(this model's cache cannot be cut there)")
         if p == 0:
             return _Start(engine.new_cache(), 0, {}, changed, fallback)
         try:
@@ -387,7 +553,9 @@ class Session:
                         snap = kv.load_checkpoint(man.checkpoint_at_most(p))
                     if snap is not None:
                         ck.restore(cache, snap)
-                checkpoints = {q: c for q, c in live.checkpoints.items() if q <= p}
+                # (a draft's own checkpoints are of no use once it is sent, except at p)
+                checkpoints = {q: c for q, c in live.checkpoints.items()
+                               if q <= p and (q <= base or q == p or draft)}
             else:
                 cache = engine.new_cache()
                 growing = [o for _, o in ck.leaves(cache) if ck.kind_of(o) == ck.GROWING]
@@ -400,10 +568,11 @@ class Session:
                     ck.restore(cache, snap)
                     checkpoints[p] = snap
         except CacheInvalid as err:
-            kv.clear()
+            if not draft:  # a draft writes nothing: the turn clears it
+                kv.clear()
             self._live = None
             return _Start(engine.new_cache(), 0, {}, f"cache rebuilt: {err}")
-        return _Start(cache, p, checkpoints, changed, fallback)
+        return _Start(cache, p, checkpoints, changed, fallback, max(0, p - base))
 
     # -- prefill, decode, persist ------------------------------------------------------------
 
@@ -486,9 +655,16 @@ class Session:
         fed = fed_candidates[:n]
         written = 0
         if not self.engine.info().unknown:
-            layout = self.engine.layout()
+            quant = self._quant(conv)
+            layout = self.engine.layout(quant)
+            encode = None
+            if quant is not None:
+                def encode(a: int, b: int) -> dict:
+                    return ck.quantize_growing(cache, layout.growing, a, b, quant)
             try:
-                written = kv.commit(layout, fed, cache, run.checkpoints)
+                # Positions from the resume point on were computed this turn; memory holds
+                # those (quantized as they are stored), so the disk copy is rewritten to match.
+                written = kv.commit(layout, fed, cache, run.checkpoints, start.pos, encode)
                 held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
                 self._live = _Live(conv.id, layout.fingerprint, fed, cache, held)
             except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this
@@ -502,7 +678,8 @@ class Session:
             pass  # the token count only feeds `localchat list`
         return written
 
-    def _usage(self, tokens, k, run: _Run, t0, cache_bytes, written, reason) -> Usage:
+    def _usage(self, tokens, k, run: _Run, t0, cache_bytes, written, reason,
+               draft: int = 0) -> Usage:
         t_end = now()
         t_first = run.t_first or t_end
         return Usage.of(
@@ -511,4 +688,4 @@ class Session:
             context_tokens=run.fed,
             context_length=self.engine.info().context_length, cache_bytes=cache_bytes,
             bytes_written=written, miss_reason=reason,
-            checkpoints=not self.engine.info().cut_anywhere)
+            checkpoints=not self.engine.info().cut_anywhere, draft_tokens=draft)

@@ -40,6 +40,11 @@ MIGRATIONS = [
     """
     ALTER TABLE conversations ADD COLUMN tokens INTEGER NOT NULL DEFAULT 0;
     """,
+    # KV cache quantization chosen for the conversation (NULL: float16/bfloat16 as computed).
+    """
+    ALTER TABLE conversations ADD COLUMN kv_bits INTEGER;
+    ALTER TABLE conversations ADD COLUMN kv_group INTEGER;
+    """,
 ]
 
 
@@ -52,6 +57,8 @@ class Conversation:
     created: float
     updated: float
     tokens: int
+    kv_bits: int | None = None  # 8 or 4: the stored cache is quantized (see cachekinds)
+    kv_group: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,8 @@ class Store:
 
     def get(self, name: str) -> Conversation:
         row = self.db.execute(
-            "SELECT id, name, model, system, created, updated, tokens FROM conversations"
+            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            " FROM conversations"
             " WHERE name = ?", (name,)).fetchone()
         if row is None:
             raise ConversationNotFound(f"no conversation named {name!r} (see `localchat list`)")
@@ -117,13 +125,14 @@ class Store:
 
     def list(self) -> list[Conversation]:
         rows = self.db.execute(
-            "SELECT id, name, model, system, created, updated, tokens FROM conversations"
+            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            " FROM conversations"
             " ORDER BY updated DESC, id DESC").fetchall()
         return [Conversation(*r) for r in rows]
 
     def update(self, conv: Conversation, **fields) -> Conversation:
-        """Change ``name``, ``model``, ``system`` or ``tokens`` of a conversation."""
-        allowed = {"name", "model", "system", "tokens"}
+        """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""
+        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:

@@ -17,9 +17,14 @@ def localchat(home, *args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """One data folder for the module: the default model is converted once."""
+    return tmp_path_factory.mktemp("real") / "home"
+
+
 @pytest.mark.slow
-def test_default_model_answers_and_resumes(tmp_path):
-    home = tmp_path / "home"
+def test_default_model_answers_and_resumes(home):
     first = localchat(home, "ask", "-c", "fr", "--json", "What is the capital of France?")
     assert first.returncode == 0, first.stderr
     one = json.loads(first.stdout)
@@ -31,4 +36,16 @@ def test_default_model_answers_and_resumes(tmp_path):
     assert u2["cached_tokens"] >= u1["prompt_tokens"] + u1["completion_tokens"] - 3
     new_message = len("\n<|im_start|>user\nAnd of Germany?<|im_end|>\n<|im_start|>assistant\n")
     assert u2["prefilled_tokens"] < new_message  # tokens, far fewer than characters
+    assert "Berlin" in two["reply"]
+
+
+@pytest.mark.slow
+def test_default_model_answers_paris_with_an_8_bit_cache(home):
+    first = localchat(home, "ask", "-c", "q8", "--kv-bits", "8", "--json",
+                      "What is the capital of France?")
+    assert first.returncode == 0, first.stderr
+    assert "Paris" in json.loads(first.stdout)["reply"]
+    second = localchat(home, "ask", "-c", "q8", "--json", "And of Germany?")
+    two = json.loads(second.stdout)
+    assert two["usage"]["cached_tokens"] >= json.loads(first.stdout)["usage"]["prompt_tokens"]
     assert "Berlin" in two["reply"]

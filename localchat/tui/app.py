@@ -8,6 +8,8 @@ a model, every turn) runs on a worker thread, one at a time; the worker posts me
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Callable, Iterable
 
 from textual import on, work
@@ -28,6 +30,7 @@ from ..store import Conversation, Store
 from .chatview import ChatView
 from .composer import Composer
 from .messages import (
+    DraftAdvanced,
     ModelFailed,
     ModelLoaded,
     ModelProgressed,
@@ -39,9 +42,16 @@ from .messages import (
 )
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 from .sidebar import Sidebar
-from .statusbar import StatusBar
+from .statusbar import StatusBar, describe_draft
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
+DRAFT_DELAY = 0.3  # seconds the message box stays still before its draft is prefilled
+
+
+def draft_prefill_default() -> bool:
+    """``LOCALCHAT_DRAFT_PREFILL=0`` turns draft prefill off (the palette toggles it too)."""
+    return os.environ.get("LOCALCHAT_DRAFT_PREFILL", "1").strip().lower() not in (
+        "0", "off", "false", "no")
 
 
 class LocalchatApp(App):
@@ -63,8 +73,11 @@ class LocalchatApp(App):
     ]
 
     def __init__(self, conversation: str | None = None, model: str | None = None,
-                 load_engine: EngineLoader | None = None, max_tokens: int = 1024):
+                 load_engine: EngineLoader | None = None, max_tokens: int = 1024,
+                 kv_bits: int | None = None, kv_group: int | None = None,
+                 draft_prefill: bool | None = None):
         super().__init__()
+        self.want_kv = (kv_bits, kv_group)  # applied to the opened conversation once loaded
         self.want_conversation = conversation
         self.want_model = model
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
@@ -77,6 +90,12 @@ class LocalchatApp(App):
         self._stream = None
         self._loaded_model: str | None = None
         self._cancel: Cancel | None = None  # the running turn's
+        self.draft_prefill = draft_prefill_default() if draft_prefill is None else draft_prefill
+        self._draft_cancel = Cancel()  # the latest draft's; set on every change and on send
+        self._draft_timer = None
+        # MLX work runs on one thread at a time: a draft still finishing its chunk when
+        # Enter comes (or a model loads) is waited for, never run beside.
+        self._mlx = threading.Lock()
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -124,6 +143,8 @@ class LocalchatApp(App):
         status.last_turn = f"{conv.tokens} tokens cached on disk" if conv.tokens else ""
         if self._loaded_model != conv.model:
             self.start_model(conv.model)
+        else:
+            self.schedule_draft()  # the message box's text, now for this conversation
 
     @on(Sidebar.Picked)
     def picked(self, event: Sidebar.Picked) -> None:
@@ -138,10 +159,15 @@ class LocalchatApp(App):
         self.busy = True
         self._loaded_model = name
         self.query_one(StatusBar).model = f"loading {name}…"
+        self.stop_draft()
         self.load_model_worker(name)
 
     @work(thread=True, exclusive=True, group="mlx")
     def load_model_worker(self, name: str) -> None:
+        with self._mlx:
+            self._load_model(name)
+
+    def _load_model(self, name: str) -> None:
         model_arg = None if name == DEFAULT_MODEL else name
         try:
             session = open_session(model_arg, load_engine=self.load_engine,
@@ -154,6 +180,13 @@ class LocalchatApp(App):
         if self.session is not None:
             self.session.close()
         self.session = session
+        bits, group = self.want_kv
+        if bits is not None and self.current is not None:
+            self.want_kv = (None, None)
+            try:
+                session.conversation(self.current.name, kv_bits=bits, kv_group=group)
+            except LocalchatError as err:
+                self.post_message(TurnNoticed(str(err)))
         self.post_message(ModelLoaded(info, tuple(session.engine.notices)))
 
     def on_model_progressed(self, msg: ModelProgressed) -> None:
@@ -172,6 +205,7 @@ class LocalchatApp(App):
         for text in msg.notices:
             self.notify(text, severity="warning", timeout=20)
         self.update_draft_count()
+        self.schedule_draft()
 
     def on_model_failed(self, msg: ModelFailed) -> None:
         self.busy = False
@@ -208,12 +242,18 @@ class LocalchatApp(App):
         self._stream = MarkdownWidget.get_stream(reply)
         self.busy = True
         self._cancel = Cancel()
+        self.stop_draft()  # the turn starts from what it prefilled (Session.prefill_draft)
         self.query_one(StatusBar).activity = "thinking…"
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
     @work(thread=True, exclusive=True, group="mlx")
     def turn_worker(self, conv: Conversation, prompt: str | None, kind: str,
                     cancel: Cancel) -> None:
+        with self._mlx:  # a draft ends its chunk first
+            self._run_turn(conv, prompt, kind, cancel)
+
+    def _run_turn(self, conv: Conversation, prompt: str | None, kind: str,
+                  cancel: Cancel) -> None:
         session = self.session
         options = TurnOptions(max_tokens=self.max_tokens)
         try:
@@ -262,6 +302,7 @@ class LocalchatApp(App):
         self.query_one(StatusBar).show_usage(msg.usage)
         self.current = self.store.get(self.current.name)
         self.refresh_sidebar()
+        self.schedule_draft()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
         await self._end_stream()
@@ -280,11 +321,68 @@ class LocalchatApp(App):
             await self._stream.stop()
             self._stream = None
 
-    # -- draft token count -----------------------------------------------------------------
+    # -- the draft: its token count, and its prefill while it is unsent ----------------------
 
     @on(Composer.Changed)
     def draft_changed(self) -> None:
         self.update_draft_count()
+        self.schedule_draft()
+
+    def schedule_draft(self) -> None:
+        """Stop the running draft prefill (at its next chunk) and start one on this text once
+        the message box has been still for ``DRAFT_DELAY``."""
+        self._draft_cancel.set()
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+            self._draft_timer = None
+        if self.draft_prefill and self.query_one(Composer).text.strip():
+            self._draft_timer = self.set_timer(DRAFT_DELAY, self.start_draft)
+        else:
+            self.query_one(StatusBar).draft = ""
+
+    def stop_draft(self) -> None:
+        self._draft_cancel.set()
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+            self._draft_timer = None
+        self.query_one(StatusBar).draft = ""
+
+    def start_draft(self) -> None:
+        self._draft_timer = None
+        text = self.query_one(Composer).text
+        # Never beside a reply or a model load (busy), and not for an edit of the last
+        # message (the session's draft is a new message after the history).
+        if (not self.draft_prefill or self.busy or self.editing or self.session is None
+                or self.current is None or not text.strip()):
+            return
+        self._draft_cancel = Cancel()
+        self.draft_worker(self.current, text, self._draft_cancel)
+
+    @work(thread=True, exclusive=True, group="mlx")
+    def draft_worker(self, conv: Conversation, text: str, cancel: Cancel) -> None:
+        with self._mlx:
+            if cancel.is_set():
+                return
+            session = self.session
+            try:
+                conv = session.store.get(conv.name)
+                for progress in session.prefill_draft(conv, text, cancel):
+                    self.post_message(DraftAdvanced(progress, cancel))
+            except LocalchatError:
+                pass  # the turn meets it too if the message is sent, and says so then
+            except Exception as err:  # noqa: BLE001 - a bug here must not close the app
+                self.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
+
+    def on_draft_advanced(self, msg: DraftAdvanced) -> None:
+        if msg.cancel is not self._draft_cancel or msg.cancel.is_set() or self.busy:
+            return  # an older draft's figures, or the message is sent
+        self.query_one(StatusBar).draft = describe_draft(msg.progress)
+
+    def action_toggle_draft_prefill(self) -> None:
+        self.draft_prefill = not self.draft_prefill
+        self.schedule_draft()
+        self.notify("draft prefill " + ("on: a message is prefilled while you type"
+                                        if self.draft_prefill else "off"))
 
     def update_draft_count(self) -> None:
         text = self.query_one(Composer).text
@@ -317,6 +415,7 @@ class LocalchatApp(App):
         """
         if self.busy and self._cancel is not None:
             self._cancel.set()
+        self._draft_cancel.set()  # the draft lived in memory only: it is dropped
         self.exit()
 
     def action_new(self) -> None:
@@ -426,9 +525,15 @@ class LocalchatApp(App):
         yield SystemCommand("System prompt", "Set this conversation's system prompt",
                             self.action_system_prompt)
         yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
+        yield SystemCommand(
+            "Draft prefill: " + ("turn off" if self.draft_prefill else "turn on"),
+            "Prefill the message while you type, so the reply starts at once "
+            "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)
 
 
-def run_app(conversation: str | None = None, model: str | None = None) -> int:
-    LocalchatApp(conversation=conversation, model=model).run()
+def run_app(conversation: str | None = None, model: str | None = None,
+            kv_bits: int | None = None, kv_group: int | None = None) -> int:
+    LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
+                 kv_group=kv_group).run()
     return 0

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from ..engine import ModelInfo
-from ..events import Usage
+from ..events import DraftProgress, Usage
+from ..session import Cancel
 
 
 @dataclass
@@ -39,6 +40,17 @@ class PrefillAdvanced(Message):
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, PrefillAdvanced)
+
+
+@dataclass
+class DraftAdvanced(Message):
+    """How much of the unsent message is prefilled; ``cancel`` tells whose draft it was."""
+
+    progress: DraftProgress
+    cancel: Cancel
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, DraftAdvanced)
 
 
 @dataclass

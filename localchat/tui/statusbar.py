@@ -1,6 +1,7 @@
-"""The status bar: model, context use, and the last turn's cache hit and speed.
+"""The status bar: model, context use, the draft's prefill, the last turn's cache hit and speed.
 
-Everything it shows comes from the ``Usage`` record a turn returns (data down).
+Everything it shows comes from the ``Usage`` record a turn returns and the ``DraftProgress``
+of the unsent message (data down).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from textual.reactive import reactive
 from textual.widgets import Static
 
-from ..events import Usage
+from ..events import DraftProgress, Usage
 from ..fmt import human_bytes
 
 
@@ -17,6 +18,7 @@ def describe(usage: Usage) -> str:
     parts = [
         f"cached {usage.cached_tokens} / prefilled {usage.prefilled_tokens} "
         f"({usage.hit_ratio:.0%} hit)",
+        *([f"draft {usage.draft_tokens}"] if usage.draft_tokens else []),
         f"gen {usage.completion_tokens}",
         f"TTFT {usage.ttft_s:.2f}s",
         f"prefill {usage.prefill_tps:.0f} tok/s",
@@ -30,11 +32,20 @@ def describe(usage: Usage) -> str:
     return " · ".join(parts)
 
 
+def describe_draft(p: DraftProgress) -> str:
+    """E.g. 'draft 812/830 prefilled': tokens of the unsent message prefilled so far, of the
+    tokens it adds (its last word and the template's end are held back until Enter)."""
+    if not p.target:
+        return ""
+    return f"draft {p.done}/{p.total} " + ("prefilled" if p.ready else "prefilling…")
+
+
 class StatusBar(Static):
     model: reactive[str] = reactive("loading model…")
     context: reactive[tuple[int, int]] = reactive((0, 0))
     last_turn: reactive[str] = reactive("")
     activity: reactive[str] = reactive("")  # prefill progress, model set-up
+    draft: reactive[str] = reactive("")  # the unsent message's prefill (describe_draft)
     usage: Usage | None = None  # the last turn's figures (what ``last_turn`` shows)
 
     def render(self) -> str:
@@ -42,6 +53,8 @@ class StatusBar(Static):
         parts = [self.model]
         if length:
             parts.append(f"ctx {used}/{length}")
+        if self.draft and not self.activity:
+            parts.append(self.draft)
         if self.activity:
             parts.append(self.activity)
         elif self.last_turn:
