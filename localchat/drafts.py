@@ -73,12 +73,13 @@ def stable_tokens(engine, messages: list[dict], tokens: list[int], lo: int = 0) 
                                                 tokenize=False)
     limit = text[: start + stable_chars(text[start:end])]
 
-    # The longest prefix of tokens whose text is a prefix of ``limit`` (binary search: a
-    # piece ending inside a character decodes as U+FFFD, which only stops it a little short).
+    # The longest prefix of tokens whose text is a prefix of ``limit`` (binary search). Ids
+    # that end inside a character (byte-level pieces of Korean) decode to U+FFFD: dropped,
+    # what comes before still says whether the ids are within the limit.
     hi = len(tokens)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if limit.startswith(engine.decode_text(tokens[:mid])):
+        if limit.startswith(engine.decode_text(tokens[:mid]).rstrip("\ufffd")):
             lo = mid
         else:
             hi = mid - 1

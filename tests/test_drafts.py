@@ -11,7 +11,7 @@ from tiny import CORPUS
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.drafts import stable_chars
+from localchat.drafts import stable_chars, stable_tokens
 from localchat.engine import Engine
 from localchat.session import Cancel, Session
 
@@ -54,6 +54,15 @@ def test_stable_chars_hold_back_the_last_word():
     assert stable_chars("안녕하세요. 오늘 날씨가") == len("안녕하세요. 오늘")
     no_spaces = "서울" * 40
     assert stable_chars(no_spaces) == len(no_spaces) - 16
+
+
+def test_stable_tokens_end_before_the_last_word(engine):
+    for text, kept in [(LONG + " 서울은 한국의 수도입니다", LONG + " 서울은 한국의"),
+                       (LONG + " It is Seoul.  ", LONG + " It is")]:
+        messages = [{"role": "user", "content": text}]
+        tokens = engine.render(messages)
+        n = stable_tokens(engine, messages, tokens)
+        assert engine.decode_text(tokens[:n]).endswith(kept)
 
 
 def test_a_prefilled_draft_gives_the_same_reply_and_writes_nothing(store, engine, session):

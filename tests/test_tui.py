@@ -296,3 +296,137 @@ async def test_the_app_honours_the_lock_timeout(make_app, monkeypatch):
         assert not app.busy
         assert any("in use by another localchat process" in n.message
                    for n in app._notifications)
+
+
+# -- draft prefill ---------------------------------------------------------------------------
+
+PARAGRAPH = ("The capital of France is Paris. What is the capital of Korea? It is Seoul. "
+             "Hello, how are you today? I am fine, thank you. Let us talk about caches. "
+             "안녕하세요. 오늘 날씨가 좋네요. 서울은 한국의 수도입니다. "
+             "Numbers 0 1 2 3 4 5 6 7 8 9 and lists: - one - two - three")
+PASTE = "\n\n".join([PARAGRAPH] * 12)  # ~900 tokens of the tiny model (context 1024)
+
+
+async def wait_for_draft(app, pilot, tries: int = 1200) -> str:
+    """Wait (not a timed assertion: a bound against hanging) until the status bar says the
+    whole stable part of the message box's draft is prefilled; return that part of it."""
+    import re
+
+    for _ in range(tries):
+        found = re.search(r"draft \d+/\d+ prefilled", status_text(app))
+        if found and app.draft_text == app.query_one(Composer).text:
+            return found.group(0)
+        await pilot.pause(0.05)
+    raise AssertionError(f"the draft was never prefilled: {status_text(app)!r}")
+
+
+def cache_files(app) -> dict:
+    from localchat import paths
+
+    folder = paths.kv_root() / str(app.current.id)
+    return {p.name: p.read_bytes() for p in folder.glob("*")} if folder.exists() else {}
+
+
+async def test_a_pasted_draft_is_prefilled_before_enter(make_app):
+    from textual import events
+
+    app, _ = make_app(["hello", "noted"])
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Hi")
+        await settle(app, pilot)
+        stored, files = app.store.messages(app.current), cache_files(app)
+        app.post_message(events.Paste(PASTE))
+        shown = await wait_for_draft(app, pilot)
+        done, total = map(int, shown.split()[1].split("/"))
+        assert 800 < done < total <= done + 16
+        # Nothing of the draft is stored before Enter.
+        assert app.store.messages(app.current) == stored and cache_files(app) == files
+        await pilot.press("enter")
+        await settle(app, pilot)
+        usage = app.query_one(StatusBar).usage
+        assert replies(app) == ["hello", "noted"]
+        assert usage.draft_tokens == done and usage.prefilled_tokens == total - done
+        assert usage.cached_tokens == usage.prompt_tokens - usage.prefilled_tokens
+        assert usage.miss_reason == ""
+        assert f"draft {done} ·" in status_text(app) and "prefilled" not in status_text(app)[
+            : status_text(app).index("cached")]
+
+
+async def test_typing_on_keeps_the_prefilled_part(make_app):
+    from textual import events
+
+    app, _ = make_app(["noted"])
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(app, pilot)
+        app.post_message(events.Paste(PASTE))
+        first = int((await wait_for_draft(app, pilot)).split()[1].split("/")[0])
+        await pilot.press(*" And what about Busan? It is")
+        second = await wait_for_draft(app, pilot)
+        done = int(second.split()[1].split("/")[0])
+        assert done > first
+        await pilot.press("enter")
+        await settle(app, pilot)
+        usage = app.query_one(StatusBar).usage
+        assert usage.miss_reason == "new conversation"
+        assert usage.draft_tokens == done and usage.prefilled_tokens <= 16
+
+
+async def test_quitting_drops_the_draft(make_app):
+    from textual import events
+
+    app, _ = make_app()
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(app, pilot)
+        app.post_message(events.Paste(PASTE))
+        await wait_for_draft(app, pilot)
+        store, conv = app.store, app.current
+        await pilot.press("ctrl+q")
+    assert store.messages(store.get(conv.name)) == [] and cache_files(app) == {}
+
+
+async def test_draft_prefill_can_be_turned_off(make_app, monkeypatch):
+    from textual import events
+
+    monkeypatch.setenv("LOCALCHAT_DRAFT_PREFILL", "0")
+    app, _ = make_app(["one"])
+    assert not app.draft_prefill
+    monkeypatch.delenv("LOCALCHAT_DRAFT_PREFILL")
+    app, _ = make_app(["one", "two"])
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(app, pilot)
+        assert app.draft_prefill
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Draft prefill")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not app.draft_prefill
+        assert any("draft prefill off" in n.message for n in app._notifications)
+        app.post_message(events.Paste(PASTE))
+        await pilot.pause()
+        await settle(app, pilot)
+        await pilot.press("enter")
+        await settle(app, pilot)
+        usage = app.query_one(StatusBar).usage
+        assert usage.draft_tokens == 0 and "draft" not in status_text(app)
+
+
+async def test_branch_from_here_opens_a_fork_that_shares_the_cache(make_app):
+    app, _ = make_app(["first answer", "branch answer"])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Hello")
+        await settle(app, pilot)
+        parent = app.current
+        app.action_fork()
+        await pilot.pause()
+        await pilot.press("enter")  # the suggested name
+        await settle(app, pilot)
+        assert app.current.name != parent.name
+        assert users(app) == ["Hello"] and replies(app) == ["first answer"]
+        await type_and_send(pilot, "And then?")
+        await settle(app, pilot)
+        usage = app.query_one(StatusBar).usage
+        assert usage.cached_tokens >= 20 and "shared" not in usage.miss_reason
+        assert [m.content for m in app.store.messages(parent)] == ["Hello", "first answer"]

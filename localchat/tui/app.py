@@ -92,6 +92,7 @@ class LocalchatApp(App):
         self._cancel: Cancel | None = None  # the running turn's
         self.draft_prefill = draft_prefill_default() if draft_prefill is None else draft_prefill
         self._draft_cancel = Cancel()  # the latest draft's; set on every change and on send
+        self.draft_text: str | None = None  # what the latest draft prefill is of
         self._draft_timer = None
         # MLX work runs on one thread at a time: a draft still finishing its chunk when
         # Enter comes (or a model loads) is waited for, never run beside.
@@ -331,21 +332,16 @@ class LocalchatApp(App):
     def schedule_draft(self) -> None:
         """Stop the running draft prefill (at its next chunk) and start one on this text once
         the message box has been still for ``DRAFT_DELAY``."""
-        self._draft_cancel.set()
-        if self._draft_timer is not None:
-            self._draft_timer.stop()
-            self._draft_timer = None
+        self.stop_draft()
         if self.draft_prefill and self.query_one(Composer).text.strip():
             self._draft_timer = self.set_timer(DRAFT_DELAY, self.start_draft)
-        else:
-            self.query_one(StatusBar).draft = ""
 
     def stop_draft(self) -> None:
         self._draft_cancel.set()
         if self._draft_timer is not None:
             self._draft_timer.stop()
             self._draft_timer = None
-        self.query_one(StatusBar).draft = ""
+        self.query_one(StatusBar).draft = ""  # the figures were the old text's
 
     def start_draft(self) -> None:
         self._draft_timer = None
@@ -356,6 +352,7 @@ class LocalchatApp(App):
                 or self.current is None or not text.strip()):
             return
         self._draft_cancel = Cancel()
+        self.draft_text = text
         self.draft_worker(self.current, text, self._draft_cancel)
 
     @work(thread=True, exclusive=True, group="mlx")
