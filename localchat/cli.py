@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=["md", "json"], default="md")
     r = add("rm", cmd_rm)
     r.add_argument("name", metavar="NAME")
+    f = add("fork", cmd_fork)
+    f.add_argument("name", metavar="NAME")
+    f.add_argument("new", metavar="NEW")
+    f.add_argument("--at", type=int, default=None, metavar="N",
+                   help="keep the first N messages (default: all)")
+    ca = add("cache", cmd_cache)
+    ca.add_argument("action", choices=["prune"], help="prune: free space now")
+    ca.add_argument("--to", metavar="SIZE", default=None,
+                    help="prune down to SIZE (e.g. 2G; default: LOCALCHAT_CACHE_LIMIT)")
     add("models", cmd_models)
     i = add("inspect", cmd_inspect)
     i.add_argument("-m", "--model", metavar="MODEL")
@@ -323,10 +332,16 @@ def cmd_list(args) -> int:
     if not rows:
         print("no conversations yet; start one with: localchat ask -c NAME 'hello'")
         return 0
+    from . import budget
+
+    used, _ = budget.disk_use(paths.kv_root())
     width = max(len(r["name"]) for r in rows)
     for r in rows:
         print(f"{r['name']:<{width}}  {r['messages']:>4} msgs  {r['tokens']:>6} tokens  "
               f"{human_bytes(r['cache_bytes']):>9}  {r['model']}")
+    limit = budget.cache_limit(paths.kv_root())
+    print(f"caches on disk: {human_bytes(used)} of {human_bytes(limit)} "
+          "(LOCALCHAT_CACHE_LIMIT; shared files counted once)")
     return 0
 
 
@@ -385,6 +400,38 @@ def cmd_rm(args) -> int:
     return 0
 
 
+def cmd_fork(args) -> int:
+    """Branch a conversation: NEW gets NAME's first N messages and shares its cache files.
+
+    No model is loaded and no K/V is copied: the cache files are hard links, so forking
+    writes only a manifest, and NEW's next turn prefills only its new message.
+    """
+    from .session import fork_conversation
+
+    store = open_store()
+    conv = store.get(args.name)
+    new, written = fork_conversation(store, conv, args.new, args.at)
+    n = len(store.messages(new))
+    print(f"forked {conv.name} -> {new.name} ({n} messages, {human_bytes(written)} written)",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_cache(args) -> int:
+    """Manage the KV caches on disk: `prune` frees space now (least recently used first)."""
+    from . import budget
+
+    root = paths.kv_root()
+    limit = budget.parse_size(args.to) if args.to else budget.cache_limit(root)
+    before, _ = budget.disk_use(root)
+    cleared = budget.enforce(root, paths.locks_dir(), limit)
+    after, _ = budget.disk_use(root)
+    print(f"caches: {human_bytes(before)} -> {human_bytes(after)} (limit "
+          f"{human_bytes(limit)}); cleared {len(cleared)} conversation caches; messages kept",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_models(args) -> int:
     """List models usable offline: the embedded default and the local Hugging Face cache."""
     from .models import list_local
@@ -399,7 +446,7 @@ def cmd_models(args) -> int:
 
 def cmd_inspect(args) -> int:
     """What the KV cache costs for a model: layer mix, bytes per token, state, bytes on disk."""
-    from . import backend
+    from . import backend, budget
     from .engine import Engine
     from .kvstore import CacheInvalid, KVStore
 
@@ -427,7 +474,8 @@ def cmd_inspect(args) -> int:
            "growing_layers": len(layout.growing),
            "bounded_layers": len(layout.leaves) - len(layout.growing),
            "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
-           "all_caches_bytes_on_disk": total, "blas": blas}
+           "all_caches_bytes_on_disk": budget.disk_use(root)[0],
+           "cache_limit_bytes": budget.cache_limit(root), "blas": blas}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -444,7 +492,8 @@ def cmd_inspect(args) -> int:
          f"= {human_bytes(info.context_length * info.kv_bytes_per_token)} of growing KV"),
         ("cache on disk", f"{human_bytes(mine)} for {tokens:,} tokens of this model"
          + (f" ({mine / tokens:,.0f} B/token)" if tokens else "")),
-        ("all caches", human_bytes(total)),
+        ("all caches", f"{human_bytes(budget.disk_use(root)[0])} of "
+         f"{human_bytes(budget.cache_limit(root))} (LOCALCHAT_CACHE_LIMIT)"),
         ("matmuls", blas),
     ]
     if info.unknown:

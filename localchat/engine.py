@@ -168,7 +168,8 @@ class Engine:
 
     # -- text ------------------------------------------------------------------------------
 
-    def render(self, messages: list[dict], prior: list[int] | None = None) -> list[int]:
+    def render(self, messages: list[dict], prior: list[int] | None = None,
+               generation_prompt: bool = True) -> list[int]:
         """Token ids of the whole conversation, chat template applied, ready for a reply.
 
         ``prior``: the token ids this conversation was last fed (the cache's token list).
@@ -180,7 +181,7 @@ class Engine:
         """
         with self._tokenizer_lock:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=generation_prompt, tokenize=False
             )
             canonical = self._encode(text)
             if not prior or common_prefix(prior, canonical) == len(prior):

@@ -49,7 +49,14 @@ KEEP_CHECKPOINTS = 3
 
 
 class CacheInvalid(Exception):
-    """The stored cache cannot be used; ``str()`` is the reason shown to the user."""
+    """The stored cache cannot be used; ``str()`` is the reason shown to the user.
+
+    ``usable``: how many leading positions are still sound (a damaged segment spoils only
+    its own positions and what follows; 0 when nothing can be trusted)."""
+
+    def __init__(self, reason: str, usable: int = 0):
+        super().__init__(reason)
+        self.usable = usable
 
 
 @dataclass(frozen=True)
@@ -215,13 +222,17 @@ class KVStore:
         for seg in man.segments:
             if seg.start >= upto:
                 break
-            data = self._read(seg.file, seg.crc32, seg.nbytes)
-            arrays = read_safetensors(data, seg.file)
-            n = seg.end - seg.start
-            for j, spec in enumerate(specs):
-                parts[j].append(tuple(
-                    self._side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file, target)
-                    for side, shape in (("k", spec.k_shape), ("v", spec.v_shape))))
+            try:
+                data = self._read(seg.file, seg.crc32, seg.nbytes)
+                arrays = read_safetensors(data, seg.file)
+                n = seg.end - seg.start
+                for j, spec in enumerate(specs):
+                    parts[j].append(tuple(
+                        self._side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file,
+                                   target)
+                        for side, shape in (("k", spec.k_shape), ("v", spec.v_shape))))
+            except CacheInvalid as err:
+                raise CacheInvalid(str(err), usable=seg.start) from None
         # One buffer per leaf, filled segment by segment and cast on the way (numpy's
         # float16 -> float32 is vectorised), with zero headroom: one pass over the data, and
         # each buffer is owned by its cache alone, so appends update it in place.
@@ -303,7 +314,7 @@ class KVStore:
 
     def commit(self, layout: Layout, tokens: list[int], cache: list,
                new_checkpoints: list[Captured] = (), keep_upto: int | None = None,
-               encode=None) -> int:
+               encode=None, split_at: tuple[int, ...] = ()) -> int:
         """Make the disk hold ``tokens`` and their cache; return bytes written.
 
         Growing leaves: keeps every stored segment inside the longest common prefix of the
@@ -318,6 +329,8 @@ class KVStore:
                 positions from there were recomputed this turn, and memory holds those).
             encode: ``encode(start, end) -> tensors`` of a new segment (quantized ones);
                 default: float slices of the cache in ``layout.dtype``.
+            split_at: positions where new data starts a new segment (the end of a system
+                prompt: another conversation with the same one then links that file whole).
         """
         try:
             old = self.manifest()
@@ -345,10 +358,12 @@ class KVStore:
                     written += new.nbytes
                     keep.append(new)
             pos = keep[-1].end if keep else 0
-            if pos < len(tokens):
-                new = self._write_segment(layout, cache, pos, len(tokens), taken, encode)
+            cuts = sorted({c for c in split_at if pos < c < len(tokens)} | {len(tokens)})
+            for end in cuts if pos < len(tokens) else []:
+                new = self._write_segment(layout, cache, pos, end, taken, encode)
                 written += new.nbytes
                 keep.append(new)
+                pos = end
         ckpts = {c.pos: c for c in (old.checkpoints if old else []) if c.pos <= k}
         for snap in sorted(new_checkpoints, key=lambda s: s.pos)[-KEEP_CHECKPOINTS:]:
             if 0 < snap.pos <= len(tokens) and snap.pos not in ckpts:
@@ -361,6 +376,32 @@ class KVStore:
         written += len(text)
         self.remove_strays({s.file for s in keep} | {c.file for c in kept_ckpts})
         return written
+
+    def adopt(self, src: KVStore, man: Manifest, upto: int) -> int:
+        """Make this (empty) folder hold the first ``upto`` tokens of ``src``'s cache, sharing
+        its files: whole segments and the checkpoints inside that prefix are hard links (no
+        bytes written; deleting either folder leaves the other intact), a segment cut by
+        ``upto`` is copied short. The manifest goes last. Returns bytes written.
+
+        Used by forks and by new conversations that share a prefix with a stored one.
+        """
+        self.folder.mkdir(parents=True, exist_ok=True)
+        taken = {s.file for s in man.segments} | {c.file for c in man.checkpoints}
+        segments, written = [], 0
+        for seg in man.segments:
+            if seg.end <= upto:
+                written += _link(src.folder / seg.file, self.folder / seg.file)
+                segments.append(seg)
+            elif seg.start < upto:
+                cut = src._cut_segment(seg, upto, taken, into=self.folder)
+                written += cut.nbytes
+                segments.append(cut)
+        ckpts = [c for c in man.checkpoints if c.pos <= upto]
+        for c in ckpts:
+            written += _link(src.folder / c.file, self.folder / c.file)
+        text = Manifest(man.layout, man.tokens[:upto], segments, ckpts).to_json().encode()
+        atomic_write(self.folder / MANIFEST, text)
+        return written + len(text)
 
     def clear(self) -> None:
         """Forget the cache (the folder stays; files are removed, manifest first)."""
@@ -390,9 +431,10 @@ class KVStore:
         name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
         return Segment(name, start, end, crc, nbytes)
 
-    def _cut_segment(self, seg: Segment, end: int, taken: set[str]) -> Segment:
+    def _cut_segment(self, seg: Segment, end: int, taken: set[str],
+                     into: Path | None = None) -> Segment:
         """Positions [seg.start, end) of a stored segment, copied from its own bytes (so a
-        quantized segment is never quantized twice)."""
+        quantized segment is never quantized twice), into this folder or ``into``."""
         import mlx.core as mx
 
         arrays = read_safetensors(self._read(seg.file, seg.crc32, seg.nbytes), seg.file)
@@ -401,7 +443,7 @@ class KVStore:
         for name, stored in arrays.items():
             arr = mx.array(stored.array[:, :n])
             tensors[name] = arr.view(mx.bfloat16) if stored.dtype_name == "bfloat16" else arr
-        name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
+        name, crc, nbytes = write_tensors(into or self.folder, "seg", tensors, taken)
         return Segment(name, seg.start, end, crc, nbytes)
 
     def _write_checkpoint(self, snap: Captured, taken: set[str]) -> Checkpoint:
@@ -464,6 +506,24 @@ def read_safetensors(data: bytes, name: str) -> dict[str, _Stored]:
         return out
     except (ValueError, KeyError, TypeError, struct.error):
         raise CacheInvalid(f"{name} unreadable") from None
+
+
+def _link(src: Path, dst: Path) -> int:
+    """Hard-link ``src`` as ``dst`` (0 bytes written); copy where links are not possible
+    (another filesystem, a filesystem without them). Returns bytes written."""
+    import os
+    import shutil
+
+    try:
+        os.link(src, dst)
+        return 0
+    except FileExistsError:
+        return 0
+    except OSError:
+        tmp = dst.with_name(f".tmp-{dst.name}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+        return dst.stat().st_size
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -33,12 +33,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import budget, drafts, paths
 from . import cachekinds as ck
-from . import drafts, paths
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
-from .kvstore import CacheInvalid, KVStore, Manifest, common_prefix
+from .kvstore import CacheInvalid, KVStore, Layout, Manifest, common_prefix
 from .locks import ConversationLock
 from .prefixes import PrefixPool
 from .store import Conversation, Store
@@ -47,6 +47,7 @@ __all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "Rep
            "Session", "TurnFinished", "TurnOptions", "Usage", "open_session"]
 
 HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place
+MIN_SHARED = 32  # shorter prefixes shared with another conversation are not worth linking
 # A draft prefills this many tokens at a time, checking between chunks whether the user typed
 # again (or sent it): ~0.25 s of the default model on a 2-core CPU.
 DRAFT_CHUNK = 64
@@ -100,6 +101,43 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     if lock_timeout is None:
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
     return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout)
+
+
+def fork_conversation(store: Store, conv: Conversation, name: str, at: int | None = None,
+                      kv_root: Path | None = None, locks_dir: Path | None = None,
+                      lock_timeout: float = 60.0) -> tuple[Conversation, int]:
+    """A new conversation ``name`` holding ``conv``'s first ``at`` messages (all if None),
+    its system prompt and settings, and its cache files as hard links (no model needed).
+
+    The fork's cache holds all of the parent's tokens; its next turn keeps the prefix its own
+    rendering shares and drops the rest. Deleting either conversation leaves the other's
+    files intact. Returns (the fork, cache bytes written: the manifest, plus copies where the
+    filesystem has no hard links).
+    """
+    kv_root = kv_root or paths.kv_root()
+    messages = store.messages(conv)
+    if at is not None and not 0 <= at <= len(messages):
+        raise BadInput(f"--at must be between 0 and {len(messages)} (messages in {conv.name})")
+    lock = ConversationLock((locks_dir or paths.locks_dir()) / f"{conv.id}.lock", conv.name,
+                            lock_timeout)
+    with lock:
+        new = store.create(name, conv.model, conv.system)
+        if conv.kv_bits:
+            new = store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
+        for m in messages[:at]:
+            store.add_message(new, m.role, m.content, m.partial)
+        src = KVStore(kv_root / str(conv.id))
+        try:
+            man = src.manifest()
+        except CacheInvalid:
+            man = None
+        written = 0
+        if man is not None and at != 0:
+            try:
+                written = KVStore(kv_root / str(new.id)).adopt(src, man, len(man.tokens))
+            except (CacheInvalid, OSError):
+                shutil.rmtree(kv_root / str(new.id), ignore_errors=True)  # only speed lost
+    return store.get(name), written
 
 
 def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None) -> None:
@@ -309,10 +347,16 @@ class Session:
         tokens, max_tokens = self.render_checked(history, options.max_tokens, prior)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
+        if man is None and not options.no_cache and not self.engine.info().unknown:
+            # Nothing stored for this conversation: start from another one's prefix if any.
+            man = self._adopt_shared(conv, kv, tokens)
+            if man is not None:
+                prior = man.tokens
+                note = f"{note}; {len(prior)} tokens shared with another conversation"
         if note.startswith("cache rebuilt"):
             yield Notice(note)
         start = self._start(kv, prior, man, tokens, options.no_cache)
-        if start.changed.startswith("cache rebuilt"):
+        if start.changed.startswith(("cache rebuilt", "cache partly rebuilt")):
             yield Notice(start.changed)
         parts = [note] if note else [
             edit_reason or start.changed if start.changed else "", start.fallback]
@@ -352,6 +396,14 @@ class Session:
         t0 = now()
         tokens, max_tokens = self.render_checked(messages, options.max_tokens)
         k, cache, snaps = pool.take(tokens)
+        if k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
+            donor = self.find_donor(self.engine.layout(), tokens)
+            if donor is not None:
+                try:
+                    cache, snaps = self._load(donor[0], donor[1], donor[2])
+                    k = donor[2]
+                except CacheInvalid:
+                    pass  # a damaged donor: prefill from zero
         start = _Start(cache, k, snaps)
         run = _Run()
         yield from self._prefill_and_decode(tokens[k:], start, max_tokens, options,
@@ -428,7 +480,7 @@ class Session:
             yield progress(target)
             return
         start = self._start(kv, prior, man, tokens[:target], False, draft=True)
-        if start.changed.startswith("cache rebuilt"):
+        if start.changed.startswith(("cache rebuilt", "cache partly rebuilt")):
             return
         self._live = live = _Live(conv.id, engine.cache_fingerprint, tokens[: start.pos],
                                   start.cache, dict(start.checkpoints), on_disk)
@@ -474,6 +526,85 @@ class Session:
                 del live.checkpoints[q]
 
     # -- where a turn starts -----------------------------------------------------------------
+
+    def _shareable_ends(self, conv: Conversation, fed: list[int]) -> tuple[int, ...]:
+        """Where a new segment should end so that another conversation can link it whole:
+        after the system prompt (a persona or a document many conversations start with)."""
+        if not conv.system or self.engine.info().unknown:
+            return ()
+        head = self.engine.render([{"role": "system", "content": conv.system}],
+                                  generation_prompt=False)
+        n = common_prefix(head, fed)
+        return (n,) if n == len(head) else ()
+
+    def _load(self, kv: KVStore, man: Manifest, p: int) -> tuple[list, dict]:
+        """A fresh cache holding the first ``p`` tokens of a stored one (growing layers from
+        segments, bounded ones from the checkpoint at ``p``), and that checkpoint."""
+        engine = self.engine
+        cache = engine.new_cache()
+        growing = [o for _, o in ck.leaves(cache) if ck.kind_of(o) == ck.GROWING]
+        loaded = kv.load_growing(man, p, engine.compute_dtype(), HEADROOM)
+        for obj, (keys, values) in zip(growing, loaded):
+            ck.set_growing(obj, keys, values, p)
+        checkpoints = {}
+        if engine.layout().has_bounded:
+            snap = kv.load_checkpoint(man.checkpoint_at_most(p))
+            ck.restore(cache, snap)
+            checkpoints[p] = snap
+        return cache, checkpoints
+
+    # -- sharing -------------------------------------------------------------------------
+
+    def find_donor(self, layout: Layout, tokens: list[int], exclude: str | None = None
+                   ) -> tuple[KVStore, Manifest, int] | None:
+        """The stored cache (of any conversation, same model and settings) that gives the
+        longest prefix of ``tokens``: (its store, manifest, usable length), or None.
+
+        Growing layers can give any prefix; bounded ones only up to a checkpoint.
+        """
+        best = None
+        if not self.kv_root.is_dir():
+            return None
+        for folder in self.kv_root.iterdir():
+            if folder.name == exclude or not folder.is_dir():
+                continue
+            kv = KVStore(folder)
+            try:
+                man = kv.checked_manifest(layout)
+            except (CacheInvalid, OSError):
+                continue
+            if man is None:
+                continue
+            k = min(common_prefix(man.tokens, tokens), len(tokens) - 1)
+            if layout.has_bounded:
+                ckpt = man.checkpoint_at_most(k)
+                k = ckpt.pos if ckpt else 0
+            if k >= MIN_SHARED and (best is None or k > best[2]):
+                best = (kv, man, k)
+        return best
+
+    def _adopt_shared(self, conv: Conversation, kv: KVStore, tokens: list[int]
+                      ) -> Manifest | None:
+        """Link the best donor's prefix into ``conv``'s empty cache folder; its manifest."""
+        layout = self.engine.layout(self._quant(conv))
+        donor = self.find_donor(layout, tokens, exclude=str(conv.id))
+        if donor is None:
+            return None
+        src, man, k = donor
+        try:
+            kv.clear()
+            kv.adopt(src, man, k)
+            return kv.checked_manifest(layout)
+        except (CacheInvalid, OSError):
+            kv.clear()  # a donor changing under us only costs the sharing
+            return None
+
+    def fork(self, conv: Conversation, name: str, at: int | None = None
+             ) -> tuple[Conversation, int]:
+        """A new conversation ``name`` with ``conv``'s first ``at`` messages (all if None),
+        sharing ``conv``'s cache files; (the fork, cache bytes written)."""
+        return fork_conversation(self.store, conv, name, at, self.kv_root, self.locks_dir,
+                                 self.lock_timeout)
 
     def _prior(self, conv: Conversation, kv: KVStore, no_cache: bool, *, draft: bool = False
                ) -> tuple[list[int] | None, Manifest | None, str]:
@@ -557,16 +688,18 @@ class Session:
                 checkpoints = {q: c for q, c in live.checkpoints.items()
                                if q <= p and (q <= base or q == p or draft)}
             else:
-                cache = engine.new_cache()
-                growing = [o for _, o in ck.leaves(cache) if ck.kind_of(o) == ck.GROWING]
-                loaded = kv.load_growing(man, p, engine.compute_dtype(), HEADROOM)
-                for obj, (keys, values) in zip(growing, loaded):
-                    ck.set_growing(obj, keys, values, p)
-                checkpoints = {}
-                if engine.layout().has_bounded:
-                    snap = kv.load_checkpoint(man.checkpoint_at_most(p))
-                    ck.restore(cache, snap)
-                    checkpoints[p] = snap
+                try:
+                    cache, checkpoints = self._load(kv, man, p)
+                except CacheInvalid as err:
+                    # A damaged segment spoils only what it covers: resume before it.
+                    ckpt = man.checkpoint_at_most(err.usable)
+                    q = err.usable if not engine.layout().has_bounded else (
+                        ckpt.pos if ckpt else 0)
+                    if q <= 0:
+                        raise
+                    cache, checkpoints = self._load(kv, man, q)
+                    changed = f"cache partly rebuilt: {err}; {q} tokens reused"
+                    p, fallback = q, ""
         except CacheInvalid as err:
             if not draft:  # a draft writes nothing: the turn clears it
                 kv.clear()
@@ -664,7 +797,10 @@ class Session:
             try:
                 # Positions from the resume point on were computed this turn; memory holds
                 # those (quantized as they are stored), so the disk copy is rewritten to match.
-                written = kv.commit(layout, fed, cache, run.checkpoints, start.pos, encode)
+                written = kv.commit(layout, fed, cache, run.checkpoints, start.pos, encode,
+                                    self._shareable_ends(conv, fed))
+                budget.enforce(self.kv_root, self.locks_dir, budget.cache_limit(self.kv_root),
+                               keep={str(conv.id)})
                 held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
                 self._live = _Live(conv.id, layout.fingerprint, fed, cache, held)
             except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this

@@ -62,7 +62,7 @@ def test_shared_prefix_is_prefilled_once_and_replies_match(home, tiny_model, tmp
     # Each reply equals a one-at-a-time greedy reply with no cache at all.
     for q, r in zip(questions, rows):
         assert main(["ask", "-m", str(tiny_model), "--max-tokens", "6", "--json",
-                     "--system", SYSTEM, q]) == 0
+                     "--no-cache", "--system", SYSTEM, q]) == 0
         alone = json.loads(capsys.readouterr().out)
         assert alone["usage"]["cached_tokens"] == 0
         assert alone["reply"] == r["reply"]

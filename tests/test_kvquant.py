@@ -37,7 +37,8 @@ def test_resumed_from_disk_equals_the_cache_kept_in_memory(home, store, wide, bi
                                                            monkeypatch):
     monkeypatch.setitem(kvquality.GATE, "agreement", 0.0)  # this test is about storage
     monkeypatch.setitem(kvquality.GATE, "nll", 99.0)
-    live = session_of(store, wide)
+    # Its own cache folder: otherwise "disk" would start by sharing "mem"'s quantized prefix.
+    live = Session(store, wide, paths.kv_root().parent / "kv-mem", paths.locks_dir())
     a = live.conversation("mem", kv_bits=bits)
     b = session_of(store, wide).conversation("disk", kv_bits=bits)
     f = session_of(store, wide).conversation("f16")

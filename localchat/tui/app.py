@@ -25,7 +25,14 @@ from ..engine import Engine
 from ..errors import LocalchatError
 from ..events import Notice, PrefillProgress, ReplyChunk, TurnFinished
 from ..models import DEFAULT_MODEL, list_local
-from ..session import Cancel, Session, TurnOptions, delete_conversation, open_session
+from ..session import (
+    Cancel,
+    Session,
+    TurnOptions,
+    delete_conversation,
+    fork_conversation,
+    open_session,
+)
 from ..store import Conversation, Store
 from .chatview import ChatView
 from .composer import Composer
@@ -480,6 +487,27 @@ class LocalchatApp(App):
         self.push_screen(ConfirmScreen(f"Delete conversation {conv.name!r} and its cache?"),
                          done)
 
+    def action_fork(self) -> None:
+        """Branch the conversation here: a new one with the same messages, sharing the cache
+        files (nothing is copied), opened at once."""
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        conv = self.current
+
+        def done(name: str | None) -> None:
+            if not name or not name.strip():
+                return
+            try:
+                new, _ = fork_conversation(self.store, conv, name.strip())
+            except LocalchatError as err:
+                self.notify(str(err), severity="error")
+                return
+            self.open_conversation(new)
+            self.notify(f"branched {conv.name} into {new.name}")
+
+        self.push_screen(TextScreen("Branch from here: name of the new conversation",
+                                    self.store.unique_name(f"{conv.name}-branch")), done)
+
     def action_system_prompt(self) -> None:
         if self.dialog_open or self.current is None:
             return
@@ -519,6 +547,8 @@ class LocalchatApp(App):
                             self.action_rename)
         yield SystemCommand("Delete conversation", "Delete this conversation",
                             self.action_delete)
+        yield SystemCommand("Branch from here", "A new conversation with these messages, "
+                            "sharing their cache", self.action_fork)
         yield SystemCommand("System prompt", "Set this conversation's system prompt",
                             self.action_system_prompt)
         yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
