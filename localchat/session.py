@@ -382,8 +382,8 @@ class Session:
                                 run.stopped and run.logits_ready, notes)
         for text in notes:
             yield Notice(text)
-        usage = self._usage(tokens, start.pos, run, t0, kv.disk_bytes(), written, reason,
-                            start.draft)
+        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=kv.disk_bytes(),
+                            written=written, reason=reason, draft=start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def complete(self, messages: list[dict], pool: PrefixPool,
@@ -410,7 +410,7 @@ class Session:
                                             cancel or Cancel(), run)
         pool.put((tokens + run.generated)[: run.fed], cache, {s.pos: s for s in run.checkpoints})
         reason = "" if k else "no shared prefix"
-        usage = self._usage(tokens, k, run, t0, 0, 0, reason)
+        usage = self._usage(tokens, k, run, t0, reason=reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def render_checked(self, messages: list[dict], max_tokens: int,
@@ -814,8 +814,8 @@ class Session:
             pass  # the token count only feeds `localchat list`
         return written
 
-    def _usage(self, tokens, k, run: _Run, t0, cache_bytes, written, reason,
-               draft: int = 0) -> Usage:
+    def _usage(self, tokens: list[int], k: int, run: _Run, t0: float, *, cache_bytes: int = 0,
+               written: int = 0, reason: str = "", draft: int = 0) -> Usage:
         t_end = now()
         t_first = run.t_first or t_end
         return Usage.of(
