@@ -89,3 +89,27 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(1 << 22):
             h.update(chunk)
     return h.hexdigest()
+
+
+def read_memo(path: Path) -> dict:
+    """A JSON memo file (a cache of computed values), or {} when missing or unreadable."""
+    import json
+
+    try:
+        memo = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return memo if isinstance(memo, dict) else {}
+
+
+def write_memo(path: Path, memo: dict) -> None:
+    """Replace a JSON memo file; a failure only means the values are computed again."""
+    import json
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only or full data folder still works, only slower

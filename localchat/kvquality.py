@@ -14,12 +14,11 @@ What it is not: a benchmark of speed or disk (``scripts/bench_kvquant.py``).
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 
 from . import cachekinds as ck
 from .errors import BadInput
+from .files import read_memo, write_memo
 from .paths import data_home
 
 VERSION = 1  # bump when the script or the metric changes: older verdicts are measured again
@@ -88,22 +87,13 @@ def check(engine, quant: ck.KVQuant) -> Quality:
     """
     key = f"{engine.info().model_digest[:32]}|{quant.bits}|{quant.group}|v{VERSION}"
     path = data_home() / "kv-quality.json"
-    try:
-        memo = json.loads(path.read_text())
-    except (OSError, ValueError):
-        memo = {}
+    memo = read_memo(path)
     if key in memo:
         quality = Quality(**memo[key])
     else:
         quality = measure(engine, quant)
         memo[key] = quality.__dict__
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(memo))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # only a memo: the next process measures again
+        write_memo(path, memo)
     if not quality.passes():
         raise BadInput(
             f"--kv-bits {quant.bits} (group {quant.group}) fails the quality gate on "

@@ -18,13 +18,12 @@ This module does not load MLX.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelBroken, ModelNotFound
-from .files import sha256_file
+from .files import read_memo, sha256_file, write_memo
 from .paths import fingerprints_path, models_dir
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -138,18 +137,9 @@ def _file_hash(path: Path) -> str:
     memo_file = fingerprints_path()
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    try:
-        memo = json.loads(memo_file.read_text())
-    except (OSError, ValueError):
-        memo = {}
+    memo = read_memo(memo_file)
     if key in memo:
         return memo[key]
     memo[key] = sha256_file(path)
-    try:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        os.replace(tmp, memo_file)
-    except OSError:
-        pass  # the memo only saves time; a read-only home still works
+    write_memo(memo_file, memo)
     return memo[key]
