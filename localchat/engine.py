@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import backend
+from . import attention, backend
 from . import cachekinds as ck
 from .errors import ModelBroken
 from .kvstore import Layout, common_prefix
@@ -91,6 +91,7 @@ class Engine:
         weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
         slow = backend.slow_path_notice()
         engine.notices = ([slow] if slow else []) + backend.tune(model, weights_cache, digest)
+        attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
         if unknown := engine.info().unknown:
             engine.notices.append(
                 f"this model's cache ({', '.join(unknown)}) is not one localchat can keep: "

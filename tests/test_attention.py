@@ -4,6 +4,8 @@
 model's score matrices are below the production threshold).
 """
 
+import os
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -197,6 +199,12 @@ def test_install_is_cpu_only_and_can_be_turned_off(monkeypatch):
         attention.uninstall()
         if was:
             attention.install()
+
+
+@pytest.mark.skipif(os.environ.get(attention.ENV, "").lower() == "mlx", reason="turned off")
+def test_engine_load_installs_it(engine):
+    assert attention.installed()
+    assert mx.fast.scaled_dot_product_attention is attention.scaled_dot_product_attention
 
 
 # -- whole model -----------------------------------------------------------------------------
