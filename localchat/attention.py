@@ -9,7 +9,7 @@ the narrowest place that covers them all. ``LOCALCHAT_CPU_ATTENTION=mlx`` keeps 
 
 What it is not: used on Metal or CUDA (their fused kernels are fast; ``install`` does nothing
 there), a training path (the softmax runs outside MLX's graph, so it has no gradient), or a
-change to mlx-lm's quantized-KV attention (localchat does not quantize its cache).
+change to mlx-lm's quantized-KV attention (a quantized localchat cache is attended dequantized).
 
 Why: on the CPU, MLX computes ``exp`` one element at a time, ~12-23 ns each, and
 ``mx.fast.scaled_dot_product_attention`` there is matmul → mask → ``mx.softmax`` → matmul. At a
