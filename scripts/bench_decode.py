@@ -5,9 +5,12 @@ Side by side in one run, on the default model (or -m MODEL), same prompt:
    loaded model (so only the loop differs);
 2. CPU fast path: prefill and decode tok/s of localchat as set up (OpenBLAS + float32 weights
    on a Linux CPU) vs the stock set-up (``LOCALCHAT_BLAS=off LOCALCHAT_DEQUANTIZE=0``: MLX's
-   bundled reference BLAS, 4-bit weights), each in its own process.
+   bundled reference BLAS, 4-bit weights), each in its own process;
+3. CPU attention: the same turn with MLX's own attention (``LOCALCHAT_CPU_ATTENTION=mlx``)
+   in the same process, rounds interleaved with ours (localchat/attention.py). ``--history N``
+   puts an N-token conversation before the prompt, where attention weighs more.
 
-Usage: python scripts/bench_decode.py [--quick] [-m MODEL]
+Usage: python scripts/bench_decode.py [--quick] [-m MODEL] [--history N]
 Prints a table, then one JSON line.
 """
 
@@ -28,39 +31,65 @@ import benchlib  # noqa: E402
 PROMPT_WORDS = 400  # ~500 tokens of prompt
 
 
-def measure(model: str | None, trials: int, tokens: int) -> dict:
-    """In this process: localchat turn figures and plain mlx-lm decode on the same model."""
+def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> dict:
+    """In this process: localchat turn figures (with our CPU attention and with MLX's) and
+    plain mlx-lm decode on the same model."""
     from localchat import backend, paths
 
     backend.prepare()
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from localchat import attention
     from localchat.engine import Engine
-    from localchat.session import Session, TurnFinished
+    from localchat.events import TurnFinished, Usage
+    from localchat.session import Session, TurnOptions
     from localchat.store import Store
 
     engine = Engine.load(model)
+    ours_attn = attention.installed()  # False off the CPU: both rows then run MLX's
     store = Store.open(paths.database_path())
     prompt = " ".join(benchlib.FILLER.split()[:40]) * (PROMPT_WORDS // 40)
-    ours, plain, prefill = [], [], []
-    for i in range(trials + 1):  # the first round warms up
+    before = benchlib.filler_messages(engine, history) if history else []
+    ours, plain, prefill, mlx_attn_decode, mlx_attn_prefill = [], [], [], [], []
+
+    def turn(i: int) -> Usage:
         conv = store.create(f"d{i}-{time.time()}", engine.ref.name)
+        for m in before:
+            store.add_message(conv, m["role"], m["content"])
         session = Session(store, engine, paths.kv_root(), paths.locks_dir())
-        u = next(ev.usage for ev in session.turn(conv, f"{i} {prompt}", max_tokens=tokens)
-                 if isinstance(ev, TurnFinished))
+        return next(ev.usage for ev in session.turn(conv, f"{i} {prompt}",
+                                                    TurnOptions(max_tokens=tokens))
+                    if isinstance(ev, TurnFinished))
+
+    for i in range(trials + 1):  # the first round warms up
+        rounds = (False, True) if i % 2 == 0 else (True, False)
+        for mlx_attn in rounds if ours_attn else (False,):
+            if mlx_attn:
+                attention.uninstall()
+            u = turn(i)
+            if ours_attn:
+                attention.install()
+            if i and mlx_attn:
+                mlx_attn_decode.append(u.decode_tps)
+                mlx_attn_prefill.append(u.prefill_tps)
+            elif i:
+                ours.append(u.decode_tps)
+                prefill.append(u.prefill_tps)
         text = engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": f"{i} {prompt}"}], add_generation_prompt=True,
+            before + [{"role": "user", "content": f"{i} {prompt}"}], add_generation_prompt=True,
             tokenize=False)
         responses = list(stream_generate(engine.model, engine.tokenizer, text,
                                          max_tokens=tokens, sampler=make_sampler(0.0)))
         if i:
-            ours.append(u.decode_tps)
-            prefill.append(u.prefill_tps)
             plain.append(responses[-1].generation_tps)
+    if not ours_attn:  # MLX's attention all along
+        mlx_attn_decode, mlx_attn_prefill = ours, prefill
     return {"localchat_decode_tps": benchlib.median(ours),
             "mlxlm_decode_tps": benchlib.median(plain),
             "localchat_prefill_tps": benchlib.median(prefill),
+            "mlx_attention_decode_tps": benchlib.median(mlx_attn_decode),
+            "mlx_attention_prefill_tps": benchlib.median(mlx_attn_prefill),
             "blas": backend.blas_in_use()}
 
 
@@ -68,42 +97,56 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("-m", "--model", default=None)
+    ap.add_argument("--history", type=int, default=0,
+                    help="tokens of conversation before the prompt (e.g. 4096)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     trials, tokens = (1, 32) if args.quick else (3, 64)
     if args.child:
-        print(json.dumps(measure(args.model, trials, tokens)))
+        print(json.dumps(measure(args.model, trials, tokens, args.history)))
         return
     home = benchlib.scratch_home()
 
     def child(extra_env: dict) -> dict:
-        cmd = [sys.executable, __file__, "--child"] + (["--quick"] if args.quick else []) + (
-            ["-m", args.model] if args.model else [])
+        cmd = [sys.executable, __file__, "--child", "--history", str(args.history)] + (
+            ["--quick"] if args.quick else []) + (["-m", args.model] if args.model else [])
         env = {**os.environ, "LOCALCHAT_HOME": str(home), **extra_env}
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     fast = child({})
-    stock = child({"LOCALCHAT_BLAS": "off", "LOCALCHAT_DEQUANTIZE": "0"})
+    # Stock is MLX's attention too. Not run with a history: its 4-bit reference-BLAS prefill
+    # of thousands of tokens takes minutes per trial.
+    stock = None if args.history else child({
+        "LOCALCHAT_BLAS": "off", "LOCALCHAT_DEQUANTIZE": "0", "LOCALCHAT_CPU_ATTENTION": "mlx"})
     rows = [
         ["localchat (as set up)", fast["localchat_prefill_tps"], fast["localchat_decode_tps"],
          fast["mlxlm_decode_tps"], fast["localchat_decode_tps"] / fast["mlxlm_decode_tps"]],
-        ["stock mlx[cpu] set-up", stock["localchat_prefill_tps"],
-         stock["localchat_decode_tps"], stock["mlxlm_decode_tps"],
-         stock["localchat_decode_tps"] / stock["mlxlm_decode_tps"]],
+        ["  same, MLX's CPU attention", fast["mlx_attention_prefill_tps"],
+         fast["mlx_attention_decode_tps"], "", ""],
     ]
+    if stock:
+        rows.append(["stock mlx[cpu] set-up", stock["localchat_prefill_tps"],
+                     stock["localchat_decode_tps"], stock["mlxlm_decode_tps"],
+                     stock["localchat_decode_tps"] / stock["mlxlm_decode_tps"]])
     print(f"# decode benchmark · {args.model or 'default model'} · {benchlib.machine()} · "
-          f"~{PROMPT_WORDS} words prompt, {tokens} tokens, median of {trials}")
+          f"{args.history} tokens of history + ~{PROMPT_WORDS} words prompt, {tokens} tokens, "
+          f"median of {trials}")
     benchlib.print_table(["set-up", "prefill tok/s", "decode tok/s",
                           "plain mlx-lm decode tok/s", "decode vs mlx-lm"], rows)
-    pf = fast["localchat_prefill_tps"] / stock["localchat_prefill_tps"]
-    dc = fast["localchat_decode_tps"] / stock["localchat_decode_tps"]
-    print(f"fast path vs stock: prefill {pf:.1f}x, decode {dc:.1f}x")
+    pf = fast["localchat_prefill_tps"] / stock["localchat_prefill_tps"] if stock else None
+    dc = fast["localchat_decode_tps"] / stock["localchat_decode_tps"] if stock else None
+    if stock:
+        print(f"fast path vs stock: prefill {pf:.1f}x, decode {dc:.1f}x")
+    apf = fast["localchat_prefill_tps"] / fast["mlx_attention_prefill_tps"]
+    adc = fast["localchat_decode_tps"] / fast["mlx_attention_decode_tps"]
+    print(f"our CPU attention vs MLX's: prefill {apf:.2f}x, decode {adc:.2f}x")
     benchlib.print_json({
         "bench": "decode", "machine": benchlib.machine(), "fast": fast, "stock": stock,
         "decode_vs_mlxlm": fast["localchat_decode_tps"] / fast["mlxlm_decode_tps"],
-        "prefill_speedup_vs_stock": fast["localchat_prefill_tps"] / stock["localchat_prefill_tps"],
-        "decode_speedup_vs_stock": fast["localchat_decode_tps"] / stock["localchat_decode_tps"],
+        "prefill_speedup_vs_stock": pf, "decode_speedup_vs_stock": dc,
+        "history_tokens": args.history,
+        "attention_prefill_speedup": apf, "attention_decode_speedup": adc,
     })
 
 

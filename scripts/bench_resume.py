@@ -3,6 +3,8 @@
 For each history length, on the default model (or -m MODEL), side by side in one run:
 - localchat resumed: a new Session (nothing in memory) answers a new message; the cache comes
   from the conversation's segments on disk, only the new message is prefilled;
+- the same with MLX's own CPU attention (what ``LOCALCHAT_CPU_ATTENTION=mlx`` runs; trials
+  interleaved with the row above), to show what localchat/attention.py changes;
 - full prefill: the same conversation state answered with no cache at all;
 - mlx-lm route: ``load_prompt_cache`` of a ``save_prompt_cache`` file of the same cache, then
   the new message prefilled (what an mlx-lm user would do by hand).
@@ -43,9 +45,11 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from localchat.engine import Engine
+    from localchat import attention
+    from localchat.engine import Engine, make_prompt_cache
+    from localchat.events import TurnFinished
     from localchat.kvstore import common_prefix
-    from localchat.session import Session, TurnFinished
+    from localchat.session import Session, TurnOptions
     from localchat.store import Store
 
     engine = Engine.load(args.model)
@@ -56,7 +60,7 @@ def main() -> None:
         return Session(store, engine, paths.kv_root(), paths.locks_dir())
 
     def turn(sess, conv, prompt, **kw):
-        for ev in sess.turn(conv, prompt, max_tokens=1, **kw):
+        for ev in sess.turn(conv, prompt, TurnOptions(max_tokens=1, **kw)):
             if isinstance(ev, TurnFinished):
                 return ev.usage
         raise RuntimeError("no reply")
@@ -79,29 +83,36 @@ def main() -> None:
                 store.add_message(c, m["role"], m["content"])
         turn(session(), conv, "Thanks.")  # builds the cache of the history on disk
         base = len(store.messages(conv))
-        resumed, full, mlxlm = [], [], []
+        resumed, resumed_mlx_attn, full, mlxlm = [], [], [], []
+        ours_attn = attention.installed()  # False off the CPU: both columns then run MLX's
         written = new_positions = 0
         for i in range(trials):
             # A different question each trial, so the cache left by the last trial (history +
             # that question) is only a hit up to the history.
             new = f"Question {i}: what should I pack for the trip?"
-            u = turn(session(), conv, new)
-            resumed.append(u.ttft_s)
-            if i == 0:
-                written, new_positions = u.bytes_written, u.context_tokens - u.cached_tokens
-            reset(conv, base)
+            for mlx_attn in (False, True) if i % 2 == 0 else (True, False):
+                if mlx_attn:
+                    attention.uninstall()
+                u = turn(session(), conv, new)
+                if ours_attn:
+                    attention.install()
+                (resumed_mlx_attn if mlx_attn else resumed).append(u.ttft_s)
+                if not mlx_attn and i == 0:
+                    written = u.bytes_written
+                    new_positions = u.context_tokens - u.cached_tokens
+                reset(conv, base)
             full.append(turn(session(), ref, new, no_cache=True).ttft_s)
             reset(ref, len(msgs))
         new = "Question: what should I pack for the trip?"
         # mlx-lm's own route on the same history cache.
         sess = session()
         man = sess.kvstore(conv).manifest()
-        _, layers = sess.kvstore(conv).load(sess.geometry(), engine.compute_dtype())
         rendered = engine.render([{"role": m.role, "content": m.content}
                                   for m in store.messages(conv)] +
                                  [{"role": "user", "content": new}])
         k = min(common_prefix(man.tokens, rendered), len(rendered) - 1)
-        cache = engine._plain_cache()  # mlx-lm's own KVCache, as an mlx-lm user has it
+        layers = sess.kvstore(conv).load_growing(man, k, engine.compute_dtype())
+        cache = make_prompt_cache(engine.model)  # mlx-lm's own KVCache, as an mlx-lm user has it
         for c, (keys, values) in zip(cache, layers):
             c.state = (keys[..., :k, :], values[..., :k, :], k)
         mlx_file = Path(paths.data_home()) / f"mlxlm-{length}.safetensors"
@@ -126,6 +137,7 @@ def main() -> None:
         r = {
             "history_tokens": len(man.tokens),
             "resumed_ttft_s": benchlib.median(resumed),
+            "resumed_mlx_attention_ttft_s": benchlib.median(resumed_mlx_attn),
             "full_prefill_ttft_s": benchlib.median(full),
             "mlxlm_load_ttft_s": benchlib.median(mlxlm),
             "speedup_vs_full": benchlib.median(full) / benchlib.median(resumed),
@@ -136,7 +148,8 @@ def main() -> None:
             "turn_written_vs_new_kv": written / max(1, new_positions * info.kv_bytes_per_token),
         }
         results.append(r)
-        rows.append([r["history_tokens"], r["resumed_ttft_s"], r["full_prefill_ttft_s"],
+        rows.append([r["history_tokens"], r["resumed_ttft_s"], r["resumed_mlx_attention_ttft_s"],
+                     r["full_prefill_ttft_s"],
                      r["mlxlm_load_ttft_s"], f"{r['speedup_vs_full']:.1f}x",
                      f"{r['disk_bytes_per_token']:,.0f}", f"{r['disk_vs_theory']:.3f}",
                      f"{r['mlxlm_file_vs_ours']:.2f}", f"{r['turn_written_vs_new_kv']:.3f}"])
@@ -144,14 +157,20 @@ def main() -> None:
           f"{info.kv_bytes_per_token:,} B/token (theory) · {benchlib.machine()} · "
           f"trials {trials} (median)")
     benchlib.print_table(
-        ["history", "resumed TTFT s", "full prefill TTFT s", "mlx-lm load TTFT s",
+        ["history", "resumed TTFT s", "same, MLX attention", "full prefill TTFT s",
+         "mlx-lm load TTFT s",
          "resumed vs full", "disk B/token", "disk/theory", "mlx-lm file/ours",
          "turn written/new KV"], rows)
     first, last = results[0], results[-1]
+    flat = last["resumed_ttft_s"] / first["resumed_ttft_s"]
+    flat_mlx = last["resumed_mlx_attention_ttft_s"] / first["resumed_mlx_attention_ttft_s"]
+    print(f"resumed TTFT at {last['history_tokens']} / at {first['history_tokens']} tokens: "
+          f"{flat:.2f}x (MLX attention: {flat_mlx:.2f}x)")
     benchlib.print_json({
         "bench": "resume", "model": info.name, "machine": benchlib.machine(),
         "results": results,
-        "flatness_last_vs_first": last["resumed_ttft_s"] / first["resumed_ttft_s"],
+        "flatness_last_vs_first": flat,
+        "flatness_mlx_attention": flat_mlx,
     })
 
 
