@@ -76,6 +76,19 @@ def main() -> None:
             except StopIteration as done:
                 return done.value
 
+    def decode_time(cache, logits) -> float:
+        """Seconds for DECODE_TOKENS greedy steps, EOS or not, queued as engine.decode does."""
+        y = mx.argmax(logits, axis=-1)
+        mx.async_eval(y)
+        t0 = clock()
+        for _ in range(DECODE_TOKENS):
+            nxt = mx.argmax(engine.model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(nxt)
+            int(y.item())
+            y = nxt
+        int(y.item())
+        return clock() - t0
+
     def orders(i: int) -> list[str]:
         return ["mlx", "ours"] if i % 2 == 0 else ["ours", "mlx"]
 
@@ -103,11 +116,7 @@ def main() -> None:
                 logits = prefill(message, cache)
                 int(mx.argmax(logits, axis=-1).item())
                 ttft[path].append(clock() - t0)
-                steps = engine.decode(cache, logits, DECODE_TOKENS)
-                next(steps)
-                t0 = clock()
-                n = sum(1 for _ in steps)
-                tps[path].append(n / (clock() - t0))
+                tps[path].append(DECODE_TOKENS / decode_time(cache, logits))
                 for c in cache:  # back to the bare history for the next run
                     c.trim(c.offset - base)
         r = {"history_tokens": h,
@@ -155,7 +164,8 @@ def main() -> None:
     benchlib.print_table(["history", "TTFT ms (MLX attn)", "TTFT ms (ours)", "speedup",
                           "decode tok/s (MLX attn)", "decode tok/s (ours)", "speedup"], rows)
     by_h = {r["history_tokens"]: r for r in per_history}
-    lo, hi = min(by_h), max(by_h)
+    hi = max(by_h)
+    lo = 256 if 256 in by_h and hi != 256 else min(by_h)  # the issue's baseline: 256 tokens
     flat = {p: by_h[hi][f"ttft_{p}_s"] / by_h[lo][f"ttft_{p}_s"] for p in ("mlx", "ours")}
     dflat = {p: by_h[hi][f"decode_{p}_tps"] / by_h[lo][f"decode_{p}_tps"] for p in ("mlx", "ours")}
     prefill_gain = prefill_tps["ours"] / prefill_tps["mlx"]
