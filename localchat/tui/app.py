@@ -516,6 +516,7 @@ class LocalchatApp(App):
             if text is not None:
                 self.current = self.store.update(self.current, system=text.strip() or None)
                 self.notify("system prompt set" if text.strip() else "system prompt cleared")
+                self.schedule_draft()  # the draft now follows another system prompt
 
         self.push_screen(TextScreen("System prompt (empty for the model's default)",
                                     self.current.system or ""), done)
