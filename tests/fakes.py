@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from localchat.engine import Engine
+from localchat.engine import PREFILL_CHUNK, Engine
 
 
 class ScriptedEngine(Engine):
@@ -16,6 +16,18 @@ class ScriptedEngine(Engine):
         super().__init__(base.model, base.tokenizer, base.ref, base.config)
         self.replies = list(replies or [])
         self.delay = delay
+        self.prefill_delay = 0.0  # seconds after each prefill chunk (a slow machine)
+
+    def prefill(self, tokens, cache, chunk=PREFILL_CHUNK):
+        steps = super().prefill(tokens, cache, chunk)
+        while True:
+            try:
+                progress = next(steps)
+            except StopIteration as fin:
+                return fin.value
+            if self.prefill_delay:
+                time.sleep(self.prefill_delay)
+            yield progress
 
     def decode(self, cache, logits, max_tokens, temp=0.0, seed=None):
         import mlx.core as mx

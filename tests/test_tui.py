@@ -430,3 +430,64 @@ async def test_branch_from_here_opens_a_fork_that_shares_the_cache(make_app):
         usage = app.query_one(StatusBar).usage
         assert usage.cached_tokens >= 20 and "shared" not in usage.miss_reason
         assert [m.content for m in app.store.messages(parent)] == ["Hello", "first answer"]
+
+
+def assert_cache_is_a_full_prefill(session, conv) -> None:
+    """The K/V stored for ``conv`` equal a prefill of its token list from zero."""
+    import mlx.core as mx
+
+    from localchat import cachekinds as ck
+
+    kv = session.kvstore(conv)
+    man = kv.manifest()
+    n = len(man.tokens)
+    stored = kv.load_growing(man, n, session.engine.compute_dtype())
+    cache = session.engine.new_cache()
+    steps = session.engine.prefill(man.tokens + [man.tokens[-1]], cache)  # feeds all n
+    for _ in steps:
+        pass
+    growing = [o for _, o in ck.leaves(cache) if ck.kind_of(o) == ck.GROWING]
+    for obj, (keys, values) in zip(growing, stored):
+        assert mx.allclose(obj.keys[..., :n, :], keys[..., :n, :], rtol=1e-2, atol=1e-2)
+        assert mx.allclose(obj.values[..., :n, :], values[..., :n, :], rtol=1e-2, atol=1e-2)
+
+
+async def test_enter_while_a_draft_prefills_waits_for_its_chunk(make_app):
+    """MLX runs on one thread at a time: Enter during a draft's chunk starts the turn when
+    that chunk ends, from what the draft has prefilled; no draft runs beside a reply."""
+    from textual import events
+
+    app, scripted = make_app(["hello " * 12, "noted"], delay=0.03)
+    async with app.run_test(size=(160, 40)) as pilot:
+        await settle(app, pilot)
+        session = app.session
+        busy_at_draft = []
+        prefill_draft = session.prefill_draft
+
+        def recorded(*args):
+            busy_at_draft.append(app.busy)
+            yield from prefill_draft(*args)
+
+        session.prefill_draft = recorded
+        await type_and_send(pilot, "Hi")
+        await pilot.pause(0.05)
+        await pilot.press(*"typed during the reply")  # no draft while it decodes
+        await settle(app, pilot)
+        scripted.prefill_delay = 0.05  # each draft chunk now takes a while
+        composer = app.query_one(Composer)
+        composer.clear()
+        app.post_message(events.Paste(PASTE[:2000]))
+        for _ in range(1200):  # a bound, not a timing: the draft is under way
+            if "prefilling…" in status_text(app):
+                break
+            await pilot.pause(0.02)
+        assert "prefilling…" in status_text(app)
+        await pilot.press("enter")
+        await settle(app, pilot)
+        scripted.prefill_delay = 0.0
+        usage = app.query_one(StatusBar).usage
+        assert replies(app)[-1] == "noted" and not app.busy
+        assert usage.cached_tokens + usage.prefilled_tokens == usage.prompt_tokens
+        assert usage.draft_tokens < 600 and usage.miss_reason == ""
+        assert busy_at_draft and not any(busy_at_draft)
+        assert_cache_is_a_full_prefill(session, app.current)
