@@ -87,10 +87,10 @@ def main() -> None:
         ours_attn = attention.installed()  # False off the CPU: both columns then run MLX's
         written = new_positions = 0
         for i in range(trials):
-            # A different question each trial, so the cache left by the last trial (history +
-            # that question) is only a hit up to the history.
-            new = f"Question {i}: what should I pack for the trip?"
             for mlx_attn in (False, True) if i % 2 == 0 else (True, False):
+                # A different question each run, so the cache left by the last run (history +
+                # that question) is only a hit up to the history.
+                new = f"Question {2 * i + mlx_attn}: what should I pack for the trip?"
                 if mlx_attn:
                     attention.uninstall()
                 u = turn(session(), conv, new)
