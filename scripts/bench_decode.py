@@ -53,12 +53,14 @@ def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> di
     before = benchlib.filler_messages(engine, history) if history else []
     ours, plain, prefill, mlx_attn_decode, mlx_attn_prefill = [], [], [], [], []
 
-    def turn(i: int) -> Usage:
-        conv = store.create(f"d{i}-{time.time()}", engine.ref.name)
+    def turn(run: int) -> Usage:
+        # A prompt of its own per run: conversations share cached prefixes (the history, after
+        # the warm-up round), so the same prompt would be a cache hit for the second path.
+        conv = store.create(f"d{run}-{time.time()}", engine.ref.name)
         for m in before:
             store.add_message(conv, m["role"], m["content"])
         session = Session(store, engine, paths.kv_root(), paths.locks_dir())
-        return next(ev.usage for ev in session.turn(conv, f"{i} {prompt}",
+        return next(ev.usage for ev in session.turn(conv, f"{run} {prompt}",
                                                     TurnOptions(max_tokens=tokens))
                     if isinstance(ev, TurnFinished))
 
@@ -67,7 +69,7 @@ def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> di
         for mlx_attn in rounds if ours_attn else (False,):
             if mlx_attn:
                 attention.uninstall()
-            u = turn(i)
+            u = turn(2 * i + mlx_attn)
             if ours_attn:
                 attention.install()
             if i and mlx_attn:
