@@ -451,7 +451,8 @@ class Session:
         it), a model whose cache is not kept, a template that rewrites the end of the
         history, or a message over the context.
 
-        Not concurrently with a turn of this session: the app runs both under one lock.
+        Not concurrently with a turn of this session: the app runs both on its one MLX
+        thread (``tui/mlxthread.py``).
 
         Yields:
             DraftProgress: first what is prefilled already, then after each chunk.

@@ -1,15 +1,15 @@
 """The chat app: conversations sidebar, streamed Markdown replies, input box, status bar.
 
 What it is: a Textual front end over ``Session`` — no model logic here. All MLX work (loading
-a model, every turn) runs on a worker thread, one at a time; the worker posts messages
-(``messages.py``) and this thread renders them. Run it with ``localchat`` or
+a model, every turn, the draft prefill of the unsent message) runs on one thread
+(``mlxthread.py``), one job at a time; the workers post messages (``messages.py``) and this
+thread renders them. Run it with ``localchat`` or
 ``localchat chat [-c NAME] [-m MODEL]``.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable, Iterable
 
 from textual import on, work
@@ -47,6 +47,7 @@ from .messages import (
     TurnFinishedMsg,
     TurnNoticed,
 )
+from .mlxthread import MLXThread
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 from .sidebar import Sidebar
 from .statusbar import StatusBar, describe_draft
@@ -101,9 +102,9 @@ class LocalchatApp(App):
         self._draft_cancel = Cancel()  # the latest draft's; set on every change and on send
         self.draft_text: str | None = None  # what the latest draft prefill is of
         self._draft_timer = None
-        # MLX work runs on one thread at a time: a draft still finishing its chunk when
-        # Enter comes (or a model loads) is waited for, never run beside.
-        self._mlx = threading.Lock()
+        # All MLX work runs on this one thread, one job at a time: a draft still finishing
+        # its chunk when Enter comes (or a model loads) is waited for, never run beside.
+        self.mlx = MLXThread()
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -172,8 +173,7 @@ class LocalchatApp(App):
 
     @work(thread=True, exclusive=True, group="mlx")
     def load_model_worker(self, name: str) -> None:
-        with self._mlx:
-            self._load_model(name)
+        self.mlx.call(self._load_model, name)
 
     def _load_model(self, name: str) -> None:
         model_arg = None if name == DEFAULT_MODEL else name
@@ -257,8 +257,7 @@ class LocalchatApp(App):
     @work(thread=True, exclusive=True, group="mlx")
     def turn_worker(self, conv: Conversation, prompt: str | None, kind: str,
                     cancel: Cancel) -> None:
-        with self._mlx:  # a draft ends its chunk first
-            self._run_turn(conv, prompt, kind, cancel)
+        self.mlx.call(self._run_turn, conv, prompt, kind, cancel)  # after a draft's chunk
 
     def _run_turn(self, conv: Conversation, prompt: str | None, kind: str,
                   cancel: Cancel) -> None:
@@ -364,18 +363,20 @@ class LocalchatApp(App):
 
     @work(thread=True, exclusive=True, group="mlx")
     def draft_worker(self, conv: Conversation, text: str, cancel: Cancel) -> None:
-        with self._mlx:
-            if cancel.is_set():
-                return
-            session = self.session
-            try:
-                conv = session.store.get(conv.name)
-                for progress in session.prefill_draft(conv, text, cancel):
-                    self.post_message(DraftAdvanced(progress, cancel))
-            except LocalchatError:
-                pass  # the turn meets it too if the message is sent, and says so then
-            except Exception as err:  # noqa: BLE001 - a bug here must not close the app
-                self.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
+        self.mlx.call(self._run_draft, conv, text, cancel)
+
+    def _run_draft(self, conv: Conversation, text: str, cancel: Cancel) -> None:
+        if cancel.is_set():
+            return  # typed on or sent while this job waited
+        session = self.session
+        try:
+            conv = session.store.get(conv.name)
+            for progress in session.prefill_draft(conv, text, cancel):
+                self.post_message(DraftAdvanced(progress, cancel))
+        except LocalchatError:
+            pass  # the turn meets it too if the message is sent, and says so then
+        except Exception as err:  # noqa: BLE001 - a bug here must not close the app
+            self.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
 
     def on_draft_advanced(self, msg: DraftAdvanced) -> None:
         if msg.cancel is not self._draft_cancel or msg.cancel.is_set() or self.busy:
