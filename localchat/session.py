@@ -38,7 +38,7 @@ from . import cachekinds as ck
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
-from .kvstore import CacheInvalid, KVStore, Layout, Manifest, common_prefix
+from .kvstore import KEEP_CHECKPOINTS, CacheInvalid, KVStore, Layout, Manifest, common_prefix
 from .locks import ConversationLock
 from .prefixes import PrefixPool
 from .store import Conversation, Store
@@ -803,6 +803,8 @@ class Session:
                 budget.enforce(self.kv_root, self.locks_dir, budget.cache_limit(self.kv_root),
                                keep={str(conv.id)})
                 held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
+                # Memory keeps what the disk keeps: the newest few (a long chat must not grow).
+                held = dict(sorted(held.items())[-KEEP_CHECKPOINTS:])
                 self._live = _Live(conv.id, layout.fingerprint, fed, cache, held)
             except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this
                 self._live = None
