@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    finally:
+        if (cluster := sys.modules.get("localchat.cluster")) is not None:
+            cluster.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--conversation", metavar="NAME")
     c.add_argument("-m", "--model", metavar="MODEL")
     add_kv_flags(c)
+    add_cluster_flags(c)
 
     a = add("ask", cmd_ask)
     a.add_argument("prompt", nargs="?", metavar="PROMPT", help="the message; '-' reads stdin")
@@ -70,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     add_kv_flags(a)
+    add_cluster_flags(a)
     edit = a.add_mutually_exclusive_group()
     edit.add_argument("--regenerate", action="store_true",
                       help="drop the last reply of -c NAME and answer its last message again")
@@ -89,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
+    add_cluster_flags(b)
 
     ls = add("list", cmd_list)
     ls.add_argument("--json", action="store_true")
@@ -127,17 +133,59 @@ def add_kv_flags(p: argparse.ArgumentParser, which: str = "for the conversation"
                    metavar="{32,64,128}", help="quantization group (default: from head dim)")
 
 
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", metavar="IP,IP,...",
+                   help="split the model over these machines (the first is this one; "
+                        "127.0.0.1,127.0.0.1 tries it here); see 'Bigger than one machine'")
+    p.add_argument("--hostfile", metavar="FILE",
+                   help="the hosts as mlx.launch's JSON ([{\"ssh\": …, \"ips\": […]}, …])")
+    p.add_argument("--shard", choices=["auto", "tensor", "pipeline"], default="auto",
+                   help="split by attention heads (tensor) or by layers (pipeline); auto: "
+                        "heads when the model allows")
+
+
+def start_cluster(args, model: str | None):
+    """With --hosts/--hostfile: start the followers and join them (``cluster.start``);
+    the group to load the model over, or None for one process."""
+    if not (getattr(args, "hosts", None) or getattr(args, "hostfile", None)):
+        return None
+    from . import backend, cluster
+    from .models import resolve
+
+    hosts = cluster.parse_hosts(args.hosts, args.hostfile)
+    if getattr(args, "kv_bits", None) is not None:
+        raise BadInput("--kv-bits is set without --hosts (its quality check runs the whole "
+                       "model in one process); the setting is kept when split")
+    if getattr(args, "parallel", 1) > 1:
+        raise BadInput("--parallel runs in one process; not with --hosts")
+    backend.prepare()
+    ref = resolve(model, progress=say)
+    try:
+        config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot read {ref.name}'s config.json: {err}") from None
+    shard = cluster.check_shard(config, args.shard, len(hosts), ref.name)
+    local = all(h.ip in cluster.LOOPBACK for h in hosts)
+    # Followers on this machine load the same folder; elsewhere they resolve the name.
+    ring = cluster.start(hosts, shard, str(ref.path) if local else model, say)
+    say(f"{ref.name} split by {'heads' if shard == 'tensor' else 'layers'} over "
+        f"{ring.size} ranks")
+    return ring
+
+
 def open_store():
     from .store import Store
 
     return Store.open(paths.database_path())
 
 
-def open_session(model: str | None):
-    """The session of every command that runs a model; loading notices go to stderr."""
+def open_session(model: str | None, args=None):
+    """The session of every command that runs a model; loading notices go to stderr.
+    With --hosts, the model is split over the hosts (``start_cluster``)."""
     from .session import open_session as open_
 
-    session = open_(model, progress=say)
+    group = start_cluster(args, model)
+    session = open_(model, progress=say, group=group)
     for text in session.engine.notices:
         say(text)
     return session
@@ -205,7 +253,7 @@ def cmd_ask(args) -> int:
     store.close()
     if (args.regenerate or args.edit_last) and known is None:
         raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
-    session = open_session(args.model or (known.model if known else None))
+    session = open_session(args.model or (known.model if known else None), args)
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
                                 kv_group=args.kv_group_size)
     if not args.conversation:
@@ -264,9 +312,18 @@ def cmd_chat(args) -> int:
     """Open the chat app (the default command)."""
     from .tui.app import run_app
 
+    model = getattr(args, "model", None)
+    group = None
+    if getattr(args, "hosts", None) or getattr(args, "hostfile", None):
+        store = open_store()
+        name = getattr(args, "conversation", None)
+        known = store.find(name) if name else None
+        store.close()
+        model = model or (known.model if known and known.model != DEFAULT_MODEL else None)
+        group = start_cluster(args, model)
     return run_app(conversation=getattr(args, "conversation", None),
-                   model=getattr(args, "model", None), kv_bits=getattr(args, "kv_bits", None),
-                   kv_group=getattr(args, "kv_group_size", None))
+                   model=model, kv_bits=getattr(args, "kv_bits", None),
+                   kv_group=getattr(args, "kv_group_size", None), group=group)
 
 
 def cmd_batch(args) -> int:
@@ -283,7 +340,7 @@ def cmd_batch(args) -> int:
     out_path = Path(args.output) if args.output else None
     skip = done_ids(out_path) if (args.resume and out_path) else set()
     items = parse_lines(lines, skip)
-    session = open_session(args.model)
+    session = open_session(args.model, args)
 
     def notice(line: int, text: str) -> None:
         if not args.quiet:

@@ -66,21 +66,30 @@ class Engine:
         self._compute_dtype = None
         self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
+        from .cluster import Solo
+
+        self.group = Solo()  # the ranks this model is split over (``cluster.py``)
 
     @classmethod
-    def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None) -> Engine:
+    def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None,
+             *, group=None) -> Engine:
         """Resolve ``name`` (see ``models.resolve``), then load weights and tokenizer.
 
+        ``group``: a ``cluster.Ring`` to load this rank's shard of the model (every rank
+        calls this at the same time; ``cluster.check_shard`` says which models split how).
+
         Raises:
-            ModelNotFound / ModelBroken: with a one-line reason.
+            ModelNotFound / ModelBroken: with a one-line reason. BadInput: a model that
+            cannot be split that way.
         """
         backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
         from mlx_lm.tokenizer_utils import load as load_tokenizer
         from mlx_lm.utils import load_model
 
+        split = group is not None and group.size > 1
         try:
-            model, config = load_model(ref.path)
+            model, config = load_model(ref.path, lazy=split)
             tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -90,7 +99,16 @@ class Engine:
         digest = model_digest(ref.path)
         weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
         slow = backend.slow_path_notice()
-        engine.notices = ([slow] if slow else []) + backend.tune(model, weights_cache, digest)
+        if split:
+            from . import cluster
+
+            engine.group = group
+            tuned = cluster.split_model(model, config, group, ref.name, lambda m, suffix:
+                                        backend.tune(m, weights_cache.with_name(
+                                            f"{digest[:32]}{suffix}.safetensors"), digest))
+        else:
+            tuned = backend.tune(model, weights_cache, digest)
+        engine.notices = ([slow] if slow else []) + tuned
         attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
         if unknown := engine.info().unknown:
             engine.notices.append(
@@ -105,7 +123,9 @@ class Engine:
         """What a stored cache must have been made with: the model digest plus cache settings."""
         if self._cache_fingerprint is None:
             info = self.info()
-            self._cache_fingerprint = f"{info.model_digest[:32]}-{info.kv_dtype}"
+            g = self.group
+            shard = f"-{g.shard}{g.size}r{g.rank}" if g.size > 1 else ""
+            self._cache_fingerprint = f"{info.model_digest[:32]}-{info.kv_dtype}{shard}"
         return self._cache_fingerprint
 
     def info(self) -> ModelInfo:
@@ -304,7 +324,8 @@ class Engine:
             mx.random.seed(seed)
         sampler = make_sampler(temp)
         eos = self.eos_ids
-        y = sampler(logits)
+        root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
+        y = root(sampler(logits))
         mx.async_eval(y)
         for n in range(max_tokens):
             tok = int(y.item())
@@ -317,7 +338,7 @@ class Engine:
                 # reply's text ends (not inside a character split over two tokens).
                 mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
                 return
-            y = sampler(self.model(y[:, None], cache=cache)[:, -1, :])
+            y = root(sampler(self.model(y[:, None], cache=cache)[:, -1, :]))
             mx.async_eval(y)
             yield tok
 

@@ -26,6 +26,8 @@ matches its own rendering, so only the rest is prefilled after Enter.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import os
 import shutil
 import threading
@@ -35,8 +37,9 @@ from pathlib import Path
 
 from . import budget, drafts, paths
 from . import cachekinds as ck
+from .cluster import ClusterLost, Solo
 from .engine import Engine, now
-from .errors import BadInput, ContextFull, StorageError
+from .errors import BadInput, ContextFull, LocalchatError, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from .kvstore import KEEP_CHECKPOINTS, CacheInvalid, KVStore, Layout, Manifest, common_prefix
 from .locks import ConversationLock
@@ -80,7 +83,7 @@ class Cancel:
 
 def open_session(model: str | None = None, *, progress: Callable[[str], None] | None = None,
                  load_engine: Callable[..., Engine] | None = None,
-                 lock_timeout: float | None = None) -> Session:
+                 lock_timeout: float | None = None, group=None) -> Session:
     """The one wiring of every front end: open the database, load the model, make a session.
 
     Args:
@@ -89,18 +92,26 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
         load_engine: ``Engine.load`` unless a test passes another loader.
         lock_timeout: seconds to wait for a conversation another process uses
             (default: ``LOCALCHAT_LOCK_TIMEOUT`` or 60).
+        group: a ``cluster.Ring`` (rank 0) to run the model split over several processes.
     Raises:
         StorageError, ModelNotFound, ModelBroken.
     """
     store = Store.open(paths.database_path())
     try:
-        engine = (load_engine or Engine.load)(model, progress)
+        if group is None:
+            engine = (load_engine or Engine.load)(model, progress)
+        else:
+            engine = Engine.load(model, progress, group=group)
     except BaseException:
         store.close()
         raise
     if lock_timeout is None:
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
-    return Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout)
+    kv_root = group.kv_root(paths.kv_root()) if group is not None else paths.kv_root()
+    session = Session(store, engine, kv_root, paths.locks_dir(), lock_timeout, group=group)
+    if group is not None:
+        group.on_lost.append(session.save_partial)
+    return session
 
 
 def fork_conversation(store: Store, conv: Conversation, name: str, at: int | None = None,
@@ -198,16 +209,37 @@ class Session:
     """Runs turns of conversations stored in ``store`` with ``engine``."""
 
     def __init__(self, store: Store, engine: Engine, kv_root: Path, locks_dir: Path,
-                 lock_timeout: float = 60.0):
+                 lock_timeout: float = 60.0, group=None):
         self.store = store
         self.engine = engine
         self.kv_root = kv_root
         self.locks_dir = locks_dir
         self.lock_timeout = lock_timeout
         self._live: _Live | None = None
+        self.group = group or Solo()  # the ranks the model is split over (``cluster.py``)
+        self._running: tuple[Conversation, _Run] | None = None  # for ``save_partial``
+
+    @property
+    def split(self) -> bool:
+        """The model runs over several ranks: no drafts, no sharing between conversations."""
+        return self.group.size > 1
 
     def close(self) -> None:
         self.store.close()
+        if self.split and self.group.rank == 0:
+            self.group.close()
+
+    def save_partial(self, why: str = "") -> None:
+        """Store the reply of a turn that cannot finish (a follower was lost while it ran),
+        marked partial; from any thread (the cluster watchdog's)."""
+        running, self._running = self._running, None
+        if running is None or not running[1].reply:
+            return
+        store = Store.open(paths.database_path())
+        try:
+            store.add_message(running[0], "assistant", running[1].reply, partial=True)
+        finally:
+            store.close()
 
     def kvstore(self, conv: Conversation) -> KVStore:
         return KVStore(self.kv_root / str(conv.id))
@@ -273,10 +305,18 @@ class Session:
         return self.store.update(conv, name=name.strip())
 
     def delete(self, conv: Conversation) -> None:
-        """Delete a conversation, its messages and its KV cache."""
+        """Delete a conversation, its messages and its KV cache (every rank's shard)."""
         if self._live and self._live.conversation_id == conv.id:
             self._live = None
+        self.group.command("delete", conversation=conv.id)
         delete_conversation(self.store, conv, self.kv_root)
+        self.group.finish()
+
+    def delete_shard(self, conversation_id: int) -> None:
+        """A follower's part of ``delete``: its own cache folder of the conversation."""
+        if self._live and self._live.conversation_id == conversation_id:
+            self._live = None
+        shutil.rmtree(self.kv_root / str(conversation_id), ignore_errors=True)
 
     def count_tokens(self, text: str) -> int:
         """A draft's length in tokens; safe from any thread (the app's UI thread)."""
@@ -319,12 +359,26 @@ class Session:
             yield Notice(lock.waiting_message)
             lock.acquire()
         try:
+            if self.split and self.group.rank == 0:
+                self.group.command(
+                    "turn", conversation=dataclasses.asdict(conv), prompt=prompt, cut=cut,
+                    options=dataclasses.asdict(options),
+                    messages=[(m.seq, m.role, m.content, m.partial)
+                              for m in self.store.messages(conv)])
             reason = ""
             if cut is not None:
                 reason = self._cut(conv, cut)
             yield from self._turn(conv, prompt, options, cancel, t0, reason)
+        except ClusterLost:
+            raise
+        except LocalchatError:
+            self.group.finish()  # the followers raised it too, at the same point
+            raise
+        else:
+            self.group.finish()
         finally:
             lock.release()
+            self._running = None
 
     def _cut(self, conv: Conversation, what: str) -> str:
         users = [m for m in self.store.messages(conv) if m.role == "user"]
@@ -347,7 +401,8 @@ class Session:
         tokens, max_tokens = self.render_checked(history, options.max_tokens, prior)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
-        if man is None and not options.no_cache and not self.engine.info().unknown:
+        if man is None and not options.no_cache and not self.engine.info().unknown \
+                and not self.split:
             # Nothing stored for this conversation: start from another one's prefix if any.
             man = self._adopt_shared(conv, kv, tokens)
             if man is not None:
@@ -363,20 +418,28 @@ class Session:
         reason = "; ".join(p for p in parts if p)
 
         run = _Run()
+        self._running = (conv, run)
         new_tokens = tokens[start.pos:]
         try:
-            yield from self._prefill_and_decode(new_tokens, start, max_tokens, options, cancel,
-                                                run)
+            try:
+                yield from self._prefill_and_decode(new_tokens, start, max_tokens, options,
+                                                    cancel, run)
+            except RuntimeError as err:
+                if not self.split:
+                    raise
+                raise self.group.lost_error(err) from None  # a rank went away mid-step
         except GeneratorExit:
             # Closed at a yield point: the cache holds exactly the fed tokens, so keep it.
             self._persist(conv, kv, tokens + run.generated, start, run, True)
             raise
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, ClusterLost):
             # Raised anywhere, perhaps inside a model step: keep the text, not this cache.
             self._live = None
+            self._running = None
             if run.reply:
                 self.store.add_message(conv, "assistant", run.reply, partial=True)
             raise
+        self._running = None
         notes: list[str] = []
         written = self._persist(conv, kv, tokens + run.generated, start, run,
                                 run.stopped and run.logits_ready, notes)
@@ -394,9 +457,26 @@ class Session:
         Yields the same events as ``turn``; the finished cache goes back into ``pool``.
         """
         t0 = now()
+        if self.split and self.group.rank == 0:
+            self.group.command("complete", messages=messages, pool=id(pool),
+                               options=dataclasses.asdict(options))
+        try:
+            yield from self._complete(messages, pool, options, cancel, t0)
+        except ClusterLost:
+            raise
+        except LocalchatError:
+            self.group.finish()
+            raise
+        else:
+            self.group.finish()
+
+    def _complete(self, messages, pool, options, cancel, t0):
         tokens, max_tokens = self.render_checked(messages, options.max_tokens)
         k, cache, snaps = pool.take(tokens)
-        if k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
+        if self.split:  # every rank resumes at the same token (their pools match)
+            start = self._agree(_Start(cache, k, snaps))
+            k, cache, snaps = start.pos, start.cache, start.checkpoints
+        elif k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
             donor = self.find_donor(self.engine.layout(), tokens)
             if donor is not None:
                 try:
@@ -458,7 +538,7 @@ class Session:
             DraftProgress: first what is prefilled already, then after each chunk.
         """
         engine = self.engine
-        if cancel.is_set() or not text.strip() or engine.info().unknown:
+        if cancel.is_set() or not text.strip() or engine.info().unknown or self.split:
             return
         kv = self.kvstore(conv)
         prior, man, note = self._prior(conv, kv, False, draft=True)
@@ -611,6 +691,27 @@ class Session:
                ) -> tuple[list[int] | None, Manifest | None, str]:
         """(the conversation's cached token list, its valid manifest, a note).
 
+        Split over ranks, each rank reads its own shard; they are used only if every rank
+        holds a valid one for the same tokens (else all rebuild together), so every rank
+        renders the same token ids.
+        """
+        prior, man, note = self._prior_local(conv, kv, no_cache, draft=draft)
+        if not self.split:
+            return prior, man, note
+        digest = hashlib.sha256(f"{man is not None}:{prior}".encode()).digest()
+        rows = self.group.gather([int.from_bytes(digest[:7], "little")])
+        if all(r == rows[0] for r in rows):
+            return prior, man, note
+        self._live = None
+        kv.clear()
+        odd = [str(i) for i, r in enumerate(rows) if r != rows[0]]
+        return None, None, (f"cache rebuilt: the shard of rank {', '.join(odd)} does not match "
+                            "rank 0's (damaged, missing or behind)")
+
+    def _prior_local(self, conv: Conversation, kv: KVStore, no_cache: bool, *,
+                     draft: bool = False) -> tuple[list[int] | None, Manifest | None, str]:
+        """``_prior`` of this process's own cache folder.
+
         The token list also aligns the rendering (``Engine.render``), so ``--no-cache`` reads
         it too and only ignores the K/V. ``draft``: for ``prefill_draft``, which writes
         nothing: an invalid cache is left for the turn to clear (and to say why).
@@ -648,6 +749,50 @@ class Session:
 
     def _start(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
                no_cache: bool, *, draft: bool = False) -> _Start:
+        """The cache to prefill from (``_start_local``), at a token every rank resumes at."""
+        start = self._start_local(kv, prior, man, tokens, no_cache, draft=draft)
+        return self._agree(start) if self.split else start
+
+    def _agree(self, start: _Start) -> _Start:
+        """Split over ranks: every rank resumes at the same token, the lowest any rank can
+        (a rank whose cache was cut short, or whose layers resume only at checkpoints);
+        a rank that cannot go back there makes every rank start from zero."""
+        damaged = start.changed.startswith(("cache rebuilt", "cache partly rebuilt"))
+        rows = self.group.gather([start.pos, 2 if damaged else 1 if start.fallback else 0])
+        p, was = min(r[0] for r in rows), start.pos
+        why = max(r[1] for r in rows if r[0] == p)
+        ok = True
+        if p < start.pos:
+            cache = start.cache
+            if p == 0:
+                cache = self.engine.new_cache()
+            elif ck.bounded(cache):
+                ok = p in start.checkpoints
+                if ok:
+                    ck.trim_growing(cache, p)
+                    ck.restore(cache, start.checkpoints[p])
+            else:
+                ck.trim_growing(cache, p)
+            if ok:
+                odd = ", ".join(str(i) for i, r in enumerate(rows) if r[0] == p)
+                start = dataclasses.replace(
+                    start, cache=cache, pos=p,
+                    checkpoints={q: c for q, c in start.checkpoints.items() if q <= p})
+                if why == 2:
+                    start.changed = (f"cache partly rebuilt: the shard of rank {odd} is "
+                                     f"damaged; {p} tokens reused" if p else
+                                     f"cache rebuilt: the shard of rank {odd} is damaged")
+                elif why == 1 and not start.fallback:
+                    start.fallback = (f"resumed from the checkpoint {was - p} tokens "
+                                      f"back (rank {odd}'s layers cannot be cut there)")
+        if self.group.agree_all(ok):
+            return start
+        self._live = None
+        return _Start(self.engine.new_cache(), 0, {},
+                      "cache rebuilt: the ranks' shards cannot resume at the same token")
+
+    def _start_local(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
+                     no_cache: bool, *, draft: bool = False) -> _Start:
         """The cache to prefill from: memory when it holds this conversation, else disk.
 
         Memory may hold more than the disk (``prior``): a draft prefilled before Enter. Its
@@ -724,7 +869,7 @@ class Session:
         prefill = engine.prefill(new_tokens, cache)
         logits = None
         while logits is None:
-            if cancel.is_set():
+            if self._stop(cancel):
                 run.stopped = True
                 run.prefill_s = now() - t
                 return
@@ -756,7 +901,7 @@ class Session:
             if piece := detok.last_segment:
                 run.reply += piece
                 yield ReplyChunk(piece)
-            if cancel.is_set():
+            if self._stop(cancel):
                 run.stopped = True
                 break
         else:
@@ -772,6 +917,10 @@ class Session:
         run.reply = engine.decode_text(ids) if ids else run.reply
         if bounded:
             run.checkpoints.append(ck.capture(cache, run.fed))
+
+    def _stop(self, cancel: Cancel) -> bool:
+        """Stop here? Split over ranks, rank 0's answer (Ctrl-C reaches rank 0 only)."""
+        return self.group.agree_any(cancel.is_set()) if self.split else cancel.is_set()
 
     def _persist(self, conv, kv: KVStore, fed_candidates: list[int], start: _Start, run: _Run,
                  partial: bool, notices: list[str] | None = None) -> int:

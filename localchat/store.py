@@ -184,6 +184,22 @@ class Store:
         self._write("DELETE FROM messages WHERE conversation_id = ? AND seq >= ?",
                     (conv.id, seq))
 
+    def mirror(self, conv: Conversation, messages: list[Message]) -> None:
+        """Make this store hold ``conv`` (same id) with exactly ``messages``: a follower's
+        in-memory copy of what rank 0's database holds for the turn (``follower.py``)."""
+        with self._tx():
+            self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
+            self.db.execute(
+                "INSERT INTO conversations (id, name, model, system, created, updated, tokens,"
+                " kv_bits, kv_group) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
+                 conv.tokens, conv.kv_bits, conv.kv_group))
+            self.db.executemany(
+                "INSERT INTO messages (conversation_id, seq, role, content, partial, created)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [(conv.id, m.seq, m.role, m.content, int(m.partial), m.created)
+                 for m in messages])
+
     # -- plumbing --------------------------------------------------------------------------
 
     def _write(self, sql: str, args: tuple) -> None:

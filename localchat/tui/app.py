@@ -83,8 +83,10 @@ class LocalchatApp(App):
     def __init__(self, conversation: str | None = None, model: str | None = None,
                  load_engine: EngineLoader | None = None, max_tokens: int = 1024,
                  kv_bits: int | None = None, kv_group: int | None = None,
-                 draft_prefill: bool | None = None):
+                 draft_prefill: bool | None = None, group=None):
         super().__init__()
+        self.group = group  # a cluster.Ring: the model is split over ranks (``--hosts``)
+        self.lost: str | None = None  # why the cluster ended the app
         self.want_kv = (kv_bits, kv_group)  # applied to the opened conversation once loaded
         self.want_conversation = conversation
         self.want_model = model
@@ -150,7 +152,8 @@ class LocalchatApp(App):
         self.refresh_sidebar()
         status = self.query_one(StatusBar)
         status.last_turn = f"{conv.tokens} tokens cached on disk" if conv.tokens else ""
-        if self._loaded_model != conv.model:
+        if self._loaded_model is None or (self._loaded_model != conv.model
+                                          and self.group is None):
             self.start_model(conv.model)
         else:
             self.schedule_draft()  # the message box's text, now for this conversation
@@ -178,7 +181,9 @@ class LocalchatApp(App):
     def _load_model(self, name: str) -> None:
         model_arg = None if name == DEFAULT_MODEL else name
         try:
-            session = open_session(model_arg, load_engine=self.load_engine,
+            if self.group is not None:  # split over ranks: the model the cluster started with
+                model_arg = self.want_model
+            session = open_session(model_arg, load_engine=self.load_engine, group=self.group,
                                    progress=lambda t: self.post_message(ModelProgressed(t)))
             info = session.engine.info()
             session.engine.layout()  # hash the weights now, not on the first turn
@@ -529,6 +534,11 @@ class LocalchatApp(App):
         if self.current.model not in names:
             names.append(self.current.model)
 
+        if self.group is not None:
+            self.notify(f"the model is split over {self.group.size} ranks; restart "
+                        "localchat to use another one", severity="warning")
+            return
+
         def done(name: str | None) -> None:
             if name and name != self.current.model:
                 self.current = self.store.update(self.current, model=name)
@@ -562,7 +572,30 @@ class LocalchatApp(App):
 
 
 def run_app(conversation: str | None = None, model: str | None = None,
-            kv_bits: int | None = None, kv_group: int | None = None) -> int:
-    LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
-                 kv_group=kv_group).run()
+            kv_bits: int | None = None, kv_group: int | None = None, group=None) -> int:
+    app = LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
+                       kv_group=kv_group, group=group)
+    if group is not None:
+        import threading
+
+        closed = threading.Event()
+
+        def lost(why: str) -> None:  # the cluster watchdog's thread: leave the screen first
+            app.lost = why
+            app.call_from_thread(app.exit)
+            closed.wait(3.0)
+
+        group.on_lost.append(lost)
+        app.run()
+        closed.set()
+        if app.lost:
+            import os
+
+            from ..cluster import write_stderr
+
+            group.exiting = True
+            write_stderr(f"localchat: error: {app.lost}\n")
+            os._exit(1)  # the MLX thread may be blocked in a collective for good
+        return 0
+    app.run()
     return 0

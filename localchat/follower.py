@@ -1,0 +1,149 @@
+"""A follower rank: ``python -m localchat.follower`` (started by ``cluster.start``).
+
+It joins the ring, loads its shard of the model, then runs what rank 0 sends over the control
+link (``cluster.py``): the same ``Session`` calls rank 0 makes, on a copy of the conversation's
+stored messages in an in-memory database, with its own KV cache folder. It has no screen: its
+output goes to ``$LOCALCHAT_HOME/logs/follower-rank<N>.log``, its one-line errors to rank 0.
+It exits when rank 0's link closes, whatever it is doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import sys
+import tempfile
+import threading
+import traceback
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m localchat.follower")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--shard", required=True)
+    p.add_argument("--control", required=True, metavar="HOST:PORT")
+    p.add_argument("--model", default=None)
+    args = p.parse_args(argv)
+    host, port = args.control.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.settimeout(None)
+    link = _Link(sock)
+    link.send({"rank": args.rank})
+    commands: queue.Queue = queue.Queue()
+    threading.Thread(target=link.read_forever, args=(commands,), daemon=True).start()
+    threading.Thread(target=link.heartbeat, daemon=True).start()
+    try:
+        session = _join(args)
+    except Exception as err:  # noqa: BLE001 - one line to rank 0, whatever failed
+        link.send({"op": "error", "text": _one_line(err)})
+        traceback.print_exc()
+        return 1
+    link.send({"op": "ready"})
+    while True:
+        msg = commands.get()
+        try:
+            _run(session, msg)
+        except Exception as err:  # noqa: BLE001
+            from .cluster import ClusterLost
+            from .errors import LocalchatError
+
+            if isinstance(err, ClusterLost) or not isinstance(err, LocalchatError):
+                traceback.print_exc()
+                link.send({"op": "error", "text": _one_line(err)})
+                return 1
+            # A LocalchatError (bad input, a full context…) is rank 0's to show: it raised
+            # the same one at the same point.
+        link.send({"op": "done", "seq": msg["seq"], "agreements": session.group.agreements})
+
+
+def _join(args):
+    from . import backend, paths
+    from .engine import Engine
+    from .session import Session
+    from .store import Store
+
+    backend.prepare()
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(os.environ["LOCALCHAT_RING_HOSTS"])
+    os.environ["MLX_HOSTFILE"] = f.name
+    import mlx.core as mx
+
+    from .cluster import Ring
+
+    ring = Ring(mx.distributed.init(backend="ring", strict=True), args.shard)
+    os.unlink(f.name)
+    engine = Engine.load(args.model, group=ring)
+    kv_root = ring.kv_root(paths.kv_root())
+    locks = kv_root.parent / f"locks-rank{ring.rank}"
+    return Session(Store.open(Path(":memory:")), engine, kv_root, locks, group=ring)
+
+
+def _run(session, msg: dict) -> None:
+    """Make the call rank 0 makes (see ``Session.turn`` / ``complete`` / ``delete``)."""
+    from .prefixes import PrefixPool
+    from .session import Cancel, TurnOptions
+    from .store import Conversation, Message
+
+    op = msg["op"]
+    if op == "delete":
+        session.delete_shard(msg["conversation"])
+        return
+    options = TurnOptions(**msg["options"])
+    if op == "complete":
+        pools = session.__dict__.setdefault("_pools", {})
+        pool = pools.setdefault(msg["pool"], PrefixPool(session.engine.new_cache))
+        for _ in session.complete(msg["messages"], pool, options, Cancel()):
+            pass
+        return
+    conv = Conversation(**msg["conversation"])
+    session.store.mirror(conv, [Message(0, seq, role, content, partial, 0.0)
+                                for seq, role, content, partial in msg["messages"]])
+    for _ in session._locked(conv, msg["prompt"], options, Cancel(), msg["cut"]):
+        pass
+
+
+class _Link:
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()
+
+    def send(self, msg: dict) -> None:
+        try:
+            with self.lock:
+                self.sock.sendall((json.dumps(msg) + "\n").encode())
+        except OSError:
+            os._exit(0)  # rank 0 is gone
+
+    def heartbeat(self) -> None:
+        from .cluster import HEARTBEAT_S
+
+        while True:
+            self.send({"op": "hb"})
+            threading.Event().wait(HEARTBEAT_S)
+
+    def read_forever(self, commands: queue.Queue) -> None:
+        buf = b""
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                os._exit(0)  # rank 0 closed the link (or died): nothing left to follow
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                commands.put(json.loads(line))
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""One model split over two ranks on loopback (MLX ring backend), as `--hosts` runs it.
+
+Each `localchat` call here is a fresh set of processes (rank 0 plus a follower), so a second
+turn is a restart of every rank. Tiny random models: llama split by heads (tensor parallel)
+and qwen3_next split by layers (pipeline: one rank holds the linear-attention layer, whose
+state resumes only at checkpoints, the other the full-attention layer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from families import build_family
+
+HOSTS = "127.0.0.1,127.0.0.1"
+TIMEOUT = 5  # LOCALCHAT_FOLLOWER_TIMEOUT for these tests
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cluster-models")
+    return {name: build_family(name, root / name) for name in ("llama", "qwen3_next")}
+
+
+def _env(home: Path) -> dict:
+    return {**os.environ, "LOCALCHAT_HOME": str(home), "LOCALCHAT_FOLLOWER_TIMEOUT":
+            str(TIMEOUT), "TOKENIZERS_PARALLELISM": "false"}
+
+
+def ask(home: Path, model: Path, conv: str, prompt: str, *extra: str, split: str | None = None,
+        max_tokens: int = 12) -> dict:
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", conv, "-m", str(model), "--json",
+           "--max-tokens", str(max_tokens), *extra, prompt]
+    if split:
+        cmd += ["--hosts", HOSTS, "--shard", split]
+    out = subprocess.run(cmd, env=_env(home), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "[ring]" not in out.stderr, out.stderr
+    return json.loads(out.stdout)
+
+
+def shard_files(home: Path, split: str, rank: int) -> list[Path]:
+    root = home / "kv-shards" / f"{split}-2" / f"rank{rank}"
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("family,split", [("llama", "tensor"), ("qwen3_next", "pipeline")])
+def test_split_replies_equal_one_process_and_resume_from_every_rank(models, tmp_path, family,
+                                                                     split):
+    home = tmp_path / "home"
+    model = models[family]
+    one = [ask(home, model, "one", "hello there one two"),
+           ask(home, model, "one", "and now the second turn")]
+    two = [ask(home, model, "two", "hello there one two", split=split),
+           ask(home, model, "two", "and now the second turn", split=split)]
+    assert [t["reply"] for t in two] == [t["reply"] for t in one]
+    # Restarted ranks reuse the cache exactly as one process does.
+    assert two[1]["usage"]["cached_tokens"] == one[1]["usage"]["cached_tokens"] > 0
+    assert two[1]["usage"]["prefilled_tokens"] == one[1]["usage"]["prefilled_tokens"]
+    for rank in (0, 1):  # each rank keeps its own shard, with a manifest
+        assert any(p.name == "manifest.json" for p in shard_files(home, split, rank)), rank
+    # Negative control: the replies depend on the conversation (the equality means something).
+    other = ask(home, model, "three", "a different first message", split=split)
+    assert other["reply"] != two[0]["reply"]
+
+
+@pytest.mark.parametrize("family,split", [("llama", "tensor"), ("qwen3_next", "pipeline")])
+def test_damaged_shard_on_one_rank_rebuilds_on_all(models, tmp_path, family, split):
+    home = tmp_path / "home"
+    model = models[family]
+    one = [ask(home, model, "one", "hello there one two"),
+           ask(home, model, "one", "and now the second turn")]
+    ask(home, model, "two", "hello there one two", split=split)
+    damaged = [p for p in shard_files(home, split, 1) if p.suffix == ".safetensors"]
+    assert damaged
+    for p in damaged:  # flip bytes in the middle of every tensor file of rank 1
+        data = bytearray(p.read_bytes())
+        for i in range(len(data) // 2, len(data) // 2 + 16):
+            data[i] ^= 0xFF
+        p.write_bytes(bytes(data))
+    second = ask(home, model, "two", "and now the second turn", split=split)
+    assert second["reply"] == one[1]["reply"]
+    assert second["usage"]["cached_tokens"] < one[1]["usage"]["cached_tokens"]
+    assert "cache" in second["usage"]["miss_reason"]
+    # Every rank wrote a good cache again: the next turn resumes in full.
+    third_one = ask(home, model, "one", "a third turn")
+    third = ask(home, model, "two", "a third turn", split=split)
+    assert third["reply"] == third_one["reply"]
+    assert third["usage"]["cached_tokens"] == third_one["usage"]["cached_tokens"]
+
+
+def _followers(home: Path) -> list[int]:
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes()
+            env = (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if b"localchat.follower" in cmd and f"LOCALCHAT_HOME={home}".encode() in env:
+            found.append(int(d.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the follower through /proc")
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_follower_lost_mid_reply_one_line_error_and_messages_kept(models, tmp_path, how):
+    home = tmp_path / "home"
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", "c", "-m", str(models["llama"]),
+           "--max-tokens", "100000", "--hosts", HOSTS, "tell me a long story"]
+    proc = subprocess.Popen(cmd, env=_env(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        first = proc.stdout.read(1)  # the reply has started streaming
+        assert first, proc.stderr.read().decode()
+        time.sleep(0.3)
+        (pid,) = _followers(home)
+        t = time.monotonic()
+        os.kill(pid, how)
+        out, err = proc.communicate(timeout=TIMEOUT + 15)
+        waited = time.monotonic() - t
+    finally:
+        proc.kill()
+        for pid in _followers(home):
+            os.kill(pid, signal.SIGKILL)
+    err = err.decode()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert proc.returncode == 1, err
+    assert lines[-1].startswith("localchat: error: rank 1 (127.0.0.1)"), err
+    assert "Traceback" not in err and "[ring]" not in err, err
+    assert waited < TIMEOUT + 10
+    shown = subprocess.run([sys.executable, "-m", "localchat", "show", "c", "--json"],
+                           env=_env(home), capture_output=True, text=True, timeout=60)
+    messages = json.loads(shown.stdout)["messages"]
+    assert messages[0]["role"] == "user" and messages[0]["content"] == "tell me a long story"
+    # The streamed part of the reply is kept, marked partial.
+    assert messages[-1]["role"] == "assistant" and messages[-1].get("partial"), messages
+    assert len(messages[-1]["content"]) > 0
+
+
+def test_model_that_cannot_split_that_way_is_one_line(models, tmp_path):
+    home = tmp_path / "home"
+    cmd = [sys.executable, "-m", "localchat", "ask", "-m", str(models["llama"]),
+           "--hosts", "127.0.0.1,127.0.0.1,127.0.0.1", "--shard", "tensor", "hi"]
+    out = subprocess.run(cmd, env=_env(home), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1] == (
+        "localchat: error: --shard tensor: "
+        f"{models['llama']} has 4 attention heads and 2 KV heads, not divisible by 3 ranks")
+    assert not _followers(home)
