@@ -158,6 +158,11 @@ def start_cluster(args, model: str | None):
                        "model in one process); the setting is kept when split")
     if getattr(args, "parallel", 1) > 1:
         raise BadInput("--parallel runs in one process; not with --hosts")
+    here = sum(h.ip in cluster.LOOPBACK for h in hosts)
+    if here > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
+        # Ranks sharing this machine share its cores: BLAS threads that outnumber them spin
+        # while they wait and starve the other rank (a pipeline prefill ran ~20x slower).
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // here))
     backend.prepare()
     ref = resolve(model, progress=say)
     try:

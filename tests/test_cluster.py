@@ -157,3 +157,60 @@ def test_model_that_cannot_split_that_way_is_one_line(models, tmp_path):
         "localchat: error: --shard tensor: "
         f"{models['llama']} has 4 attention heads and 2 KV heads, not divisible by 3 ranks")
     assert not _followers(home)
+
+
+def test_chat_app_split_over_two_ranks(models, tmp_path):
+    """The app as rank 0: same replies as one process, second turn from every rank's cache."""
+    home = tmp_path / "home"
+    model = models["qwen3_next"]
+    one = [ask(home, model, "one", "hello there one two"),
+           ask(home, model, "one", "and now the second turn")]
+    helper = Path(__file__).parent / "cluster_app_helper.py"
+    out = subprocess.run([sys.executable, str(helper), str(model), "pipeline",
+                          "hello there one two", "and now the second turn"],
+                         env=_env(home), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["shown"] == [t["reply"] for t in one]
+    assert [c for r, c in seen["stored"] if r == "assistant"] == [t["reply"] for t in one]
+    assert f"cached {one[1]['usage']['cached_tokens']} /" in seen["status"], seen["status"]
+
+
+def test_batch_split_over_two_ranks(models, tmp_path):
+    home = tmp_path / "home"
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"id": 1, "prompt": "hello there"}\n'
+                     '{"id": 2, "prompt": "hello there again"}\n')
+    outs = []
+    for extra in ([], ["--hosts", HOSTS]):
+        out = subprocess.run([sys.executable, "-m", "localchat", "batch", str(lines), "-m",
+                              str(models["llama"]), "--max-tokens", "8", *extra],
+                             env=_env(home), capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        outs.append([json.loads(x) for x in out.stdout.splitlines()])
+    assert [r["reply"] for r in outs[1]] == [r["reply"] for r in outs[0]]
+    assert outs[1][1]["usage"]["cached_tokens"] == outs[0][1]["usage"]["cached_tokens"] > 0
+
+
+def test_ctrl_c_stops_every_rank_at_the_same_token(models, tmp_path):
+    """Ctrl-C reaches rank 0 only; the ranks agree where to stop, so every rank's cache holds
+    the same tokens and the next turn resumes all of them."""
+    home = tmp_path / "home"
+    model = models["llama"]
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", "c", "-m", str(model),
+           "--max-tokens", "100000", "--hosts", HOSTS, "tell me a long story"]
+    proc = subprocess.Popen(cmd, env=_env(home), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout.read(1)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert "Traceback" not in err.decode()
+    nxt = ask(home, model, "c", "go on", split="tensor")
+    assert nxt["usage"]["miss_reason"] == "", nxt["usage"]
+    assert nxt["usage"]["cached_tokens"] > 0
+    assert not _followers(home)

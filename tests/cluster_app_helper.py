@@ -1,0 +1,57 @@
+"""Run the chat app headless as rank 0 of a 2-rank loopback cluster; print what it showed.
+
+Used by ``test_cluster.py`` in a subprocess (a process joins one MLX ring only once).
+argv: MODEL SHARD PROMPT... (one turn per prompt, in conversation "app").
+Prints one JSON object: the replies shown, the stored messages, the status bar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+from localchat import backend
+
+backend.prepare()
+
+from localchat import cluster, paths  # noqa: E402
+from localchat.cli import build_parser, start_cluster  # noqa: E402
+from localchat.store import Store  # noqa: E402
+from localchat.tui.app import LocalchatApp  # noqa: E402
+from localchat.tui.chatview import AssistantMessage  # noqa: E402
+from localchat.tui.statusbar import StatusBar  # noqa: E402
+
+
+async def run(app: LocalchatApp, prompts: list[str]) -> dict:
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        for prompt in prompts:
+            await pilot.press(*prompt)
+            await pilot.press("enter")
+            await pilot.pause()
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+        shown = [m.source for m in app.query(AssistantMessage)]
+        status = str(app.query_one(StatusBar).render())
+    store = Store.open(paths.database_path())
+    stored = [(m.role, m.content) for m in store.messages(store.get("app"))]
+    store.close()
+    return {"shown": shown, "stored": stored, "status": status}
+
+
+def main() -> None:
+    model, shard, *prompts = sys.argv[1:]
+    args = build_parser().parse_args(["chat", "-m", model, "--hosts", "127.0.0.1,127.0.0.1",
+                                      "--shard", shard])
+    group = start_cluster(args, model)
+    app = LocalchatApp(conversation="app", model=model, group=group, max_tokens=12)
+    try:
+        print(json.dumps(asyncio.run(run(app, prompts))))
+    finally:
+        cluster.shutdown()
+
+
+if __name__ == "__main__":
+    main()
