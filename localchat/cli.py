@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     finally:
-        if (cluster := sys.modules.get("localchat.cluster")) is not None:
-            cluster.shutdown()
+        if (launch := sys.modules.get("localchat.launch")) is not None:
+            launch.shutdown()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,20 +145,20 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
 
 
 def start_cluster(args, model: str | None):
-    """With --hosts/--hostfile: start the followers and join them (``cluster.start``);
+    """With --hosts/--hostfile: start the followers and join them (``launch.start``);
     the group to load the model over, or None for one process."""
     if not (getattr(args, "hosts", None) or getattr(args, "hostfile", None)):
         return None
-    from . import backend, cluster
+    from . import backend, cluster, launch
     from .models import resolve
 
-    hosts = cluster.parse_hosts(args.hosts, args.hostfile)
+    hosts = launch.parse_hosts(args.hosts, args.hostfile)
     if getattr(args, "kv_bits", None) is not None:
         raise BadInput("--kv-bits is set without --hosts (its quality check runs the whole "
                        "model in one process); the setting is kept when split")
     if getattr(args, "parallel", 1) > 1:
         raise BadInput("--parallel runs in one process; not with --hosts")
-    here = sum(h.ip in cluster.LOOPBACK for h in hosts)
+    here = sum(h.ip in launch.LOOPBACK for h in hosts)
     if here > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
         # Ranks sharing this machine share its cores: BLAS threads that outnumber them spin
         # while they wait and starve the other rank (a pipeline prefill ran ~20x slower).
@@ -170,9 +170,9 @@ def start_cluster(args, model: str | None):
     except (OSError, ValueError) as err:
         raise BadInput(f"cannot read {ref.name}'s config.json: {err}") from None
     shard = cluster.check_shard(config, args.shard, len(hosts), ref.name)
-    local = all(h.ip in cluster.LOOPBACK for h in hosts)
+    local = all(h.ip in launch.LOOPBACK for h in hosts)
     # Followers on this machine load the same folder; elsewhere they resolve the name.
-    ring = cluster.start(hosts, shard, str(ref.path) if local else model, say)
+    ring = launch.start(hosts, shard, str(ref.path) if local else model, say)
     say(f"{ref.name} split by {'heads' if shard == 'tensor' else 'layers'} over "
         f"{ring.size} ranks")
     return ring

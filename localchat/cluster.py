@@ -1,10 +1,10 @@
 """One model over several processes or machines: rank 0 (the user's process) and followers.
 
-What it is: the plumbing of ``--hosts`` / ``--hostfile``. The process in the user's terminal
-is rank 0: it owns the screen, the database and the turn logic. It starts one follower per
-other host (``python -m localchat.follower``: a local process for a loopback address, ``ssh``
-otherwise), connects them with MLX's ring backend, and each model is split with mlx-lm's
-``model.shard`` (heads: ``tensor``) or ``model.model.pipeline`` (layers: ``pipeline``).
+What it is: how the ranks of ``--hosts`` / ``--hostfile`` stay in step, and how a model is
+split. The process in the user's terminal is rank 0: it owns the screen, the database and the
+turn logic. ``launch.py`` starts one follower per other host (``python -m localchat.follower``)
+and joins them with MLX's ring backend; each model is split with mlx-lm's ``model.shard``
+(heads: ``tensor``) or ``model.model.pipeline`` (layers: ``pipeline``).
 
 How the ranks stay in step: before each turn rank 0 sends every follower, over a small TCP
 control link, the call it is about to make (``Session.turn`` with a copy of the conversation's
@@ -29,20 +29,13 @@ What it is not: a scheduler. One conversation runs at a time, as in a single pro
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import paths
 from .errors import BadInput, LocalchatError
 
 SHARDS = ("tensor", "pipeline")
@@ -99,12 +92,12 @@ class Solo:
 class Ring:
     """``size`` processes joined by an ``mx.distributed`` group (rank 0 or a follower)."""
 
-    def __init__(self, group, shard: str, links: list[_Link] | None = None):
+    def __init__(self, group, shard: str, links: list | None = None):
         self.group = group
         self.rank = group.rank()
         self.size = group.size()
         self.shard = shard
-        self.links = links or []  # rank 0: one per follower
+        self.links = links or []  # rank 0: one ``launch._Link`` per follower
         self.agreements = 0
         self._seq = 0
         self._lost_lock = threading.Lock()
@@ -266,341 +259,3 @@ def split_model(model, config: dict, ring: Ring, name: str,
     # Every rank loaded; the first collective also sets the ring up (~0.8 s), not in a turn.
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=ring.group, stream=mx.cpu))
     return notices
-
-
-# -- hosts -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Host:
-    ssh: str  # what to ssh into ("" for this machine)
-    ip: str  # the address the ring connects to
-
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def parse_hosts(hosts: str | None, hostfile: str | None) -> list[Host]:
-    """``--hosts a,b,…`` (IP addresses, the first one this machine) or ``--hostfile FILE``
-    (mlx.launch's JSON: ``[{"ssh": "mac1", "ips": ["10.0.0.1"]}, …]``)."""
-    if hosts and hostfile:
-        raise BadInput("give --hosts or --hostfile, not both")
-    if hostfile:
-        try:
-            raw = json.loads(Path(hostfile).read_text(encoding="utf-8"))
-            found = [Host(str(h.get("ssh", "")), str((h.get("ips") or [h.get("ssh")])[0]))
-                     for h in raw]
-        except (OSError, ValueError, AttributeError, TypeError, IndexError) as err:
-            raise BadInput(f"cannot read the hostfile {hostfile}: {err}") from None
-    else:
-        found = [Host(h.strip(), h.strip()) for h in (hosts or "").split(",") if h.strip()]
-    if len(found) < 2:
-        raise BadInput("a cluster needs at least two hosts (e.g. --hosts 127.0.0.1,127.0.0.1)")
-    for h in found:
-        if not h.ip:
-            raise BadInput(f"host {h.ssh!r} has no IP address for the ring")
-    return found
-
-
-# -- rank 0: the control links ------------------------------------------------------------
-
-
-class _Link:
-    """Rank 0's end of one follower's control connection (JSON lines both ways)."""
-
-    def __init__(self, rank: int, host: Host, proc: subprocess.Popen, log: Path):
-        self.rank, self.host_info, self.proc, self.log = rank, host, proc, log
-        self.host = host.ip
-        self.sock: socket.socket | None = None
-        self.last_seen = time.monotonic()
-        self.closed = False
-        self.done: dict[int, int] = {}
-        self.error: str | None = None  # a follower's own one-line error
-        self.cond = threading.Condition()
-        self._send_lock = threading.Lock()
-
-    def attach(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.last_seen = time.monotonic()
-        threading.Thread(target=self._read, daemon=True, name=f"rank{self.rank}-link").start()
-
-    def _read(self) -> None:
-        buf = b""
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with self.cond:
-                    self.closed = True
-                    self.cond.notify_all()
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                with self.cond:
-                    self.last_seen = time.monotonic()
-                    if msg.get("op") == "done":
-                        self.done[msg["seq"]] = msg["agreements"]
-                    elif msg.get("op") == "error":
-                        self.error = msg["text"]
-                    elif msg.get("op") == "ready":
-                        self.done[0] = 0
-                    self.cond.notify_all()
-
-    def send(self, msg: dict) -> None:
-        data = (json.dumps(msg) + "\n").encode()
-        with self._send_lock:
-            try:
-                self.sock.sendall(data)
-            except OSError:
-                with self.cond:
-                    self.closed = True
-
-    def wait_done(self, seq: int, timeout: float) -> int | None:
-        """The follower's agreement count after call ``seq``; None if it went silent."""
-        with self.cond:
-            while seq not in self.done:
-                if self.closed or time.monotonic() - self.last_seen > timeout:
-                    return None
-                self.cond.wait(0.2)
-            return self.done.pop(seq)
-
-    def problem(self, timeout: float) -> str | None:
-        """Why this follower is gone, or None while it is alive."""
-        code = self.proc.poll()
-        where = f"rank {self.rank} ({self.host})"
-        if self.error:
-            return f"{where}: {self.error}"
-        if code is not None:
-            return f"{where} exited (status {code}){self._log_tail()}"
-        if self.closed:
-            return f"{where} closed its link"
-        if time.monotonic() - self.last_seen > timeout:
-            return f"{where} did not answer for {timeout:g} s"
-        return None
-
-    def _log_tail(self) -> str:
-        try:
-            lines = [x for x in self.log.read_text(errors="replace").splitlines() if x.strip()
-                     and not x.startswith("[ring]")]
-        except OSError:
-            return ""
-        return f": {lines[-1].strip()[:200]}" if lines else f"; log: {self.log}"
-
-    def close(self) -> None:
-        try:
-            if self.sock is not None:
-                self.sock.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def start(hosts: list[Host], shard: str, model: str | None,
-          progress: Callable[[str], None] | None = None) -> Ring:
-    """Rank 0: start a follower on every other host, join the ring, return the group.
-
-    Call before loading the model (``Engine.load(..., group=…)`` then loads every rank's
-    shard in step). Raises ClusterLost with one line when a follower cannot start or join
-    within ``LOCALCHAT_FOLLOWER_TIMEOUT`` seconds of silence.
-    """
-    from . import backend
-
-    if shard not in SHARDS:
-        raise BadInput(f"--shard must be one of {', '.join(SHARDS)}")
-    backend.prepare()
-    say = progress or (lambda _m: None)
-    local = all(h.ip in LOOPBACK for h in hosts)
-    ports = _free_ports(len(hosts)) if local else [RING_PORT + i for i in range(len(hosts))]
-    ring_hosts = json.dumps([[f"{h.ip}:{p}"] for h, p in zip(hosts, ports)])
-    server = socket.create_server(("127.0.0.1" if local else "", 0))
-    control = f"{'127.0.0.1' if local else hosts[0].ip}:{server.getsockname()[1]}"
-    logs = paths.data_home() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    say(f"starting {len(hosts) - 1} follower(s): {', '.join(h.ip for h in hosts[1:])}")
-    links = []
-    for rank, host in enumerate(hosts[1:], start=1):
-        log = logs / f"follower-rank{rank}.log"
-        argv = [sys.executable, "-m", "localchat.follower", "--rank", str(rank),
-                "--shard", shard, "--control", control] + (["--model", model] if model else [])
-        proc = _spawn(host, argv, ring_hosts, rank, log)
-        links.append(_Link(rank, host, proc, log))
-    watchdog = _Watchdog(links)
-    try:
-        _accept(server, links)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            f.write(ring_hosts)
-        os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = f.name, "0"
-        _quiet_ring_stderr()
-        import mlx.core as mx
-
-        watchdog.arm()
-        group = mx.distributed.init(backend="ring", strict=True)
-        os.unlink(f.name)
-    except BaseException:
-        for link in links:
-            link.proc.kill()
-        raise
-    finally:
-        server.close()
-    ring = Ring(group, shard, links)
-    watchdog.ring = ring
-    _current.append(ring)
-    return ring
-
-
-_current: list[Ring] = []
-
-
-def shutdown() -> None:
-    """Rank 0 is done: close the followers' links (they exit) and stop the watchdog."""
-    while _current:
-        _current.pop().close()
-
-
-def _spawn(host: Host, argv: list[str], ring_hosts: str, rank: int, log: Path):
-    env = {"MLX_RANK": str(rank), "LOCALCHAT_RING_HOSTS": ring_hosts}
-    out = open(log, "wb")  # noqa: SIM115 - the child keeps it
-    if host.ip in LOOPBACK and host.ssh in LOOPBACK | {host.ip}:
-        return subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)  # Ctrl-C in the terminal is rank 0's
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    home = os.environ.get("LOCALCHAT_HOME")
-    if home:
-        exports += f" LOCALCHAT_HOME={shlex.quote(home)}"
-    script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} exec {shlex.join(argv)}"
-    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", host.ssh, script],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def _accept(server: socket.socket, links: list[_Link]) -> None:
-    """Wait for every follower to connect (each says its rank first)."""
-    waiting = {link.rank: link for link in links}
-    server.settimeout(0.2)
-    started = time.monotonic()
-    while waiting:
-        for link in waiting.values():
-            code = link.proc.poll()
-            if code is not None:
-                raise ClusterLost(link.problem(follower_timeout()) or "a follower exited")
-        if time.monotonic() - started > max(follower_timeout(), 30.0):
-            first = next(iter(waiting.values()))
-            raise ClusterLost(f"rank {first.rank} ({first.host}) did not connect within "
-                              f"{max(follower_timeout(), 30.0):g} s{first._log_tail()}")
-        try:
-            sock, _ = server.accept()
-        except TimeoutError:
-            continue
-        sock.settimeout(None)
-        hello = b""
-        while not hello.endswith(b"\n"):
-            chunk = sock.recv(1)
-            if not chunk:
-                break
-            hello += chunk
-        try:
-            rank = json.loads(hello)["rank"]
-        except (ValueError, KeyError, TypeError):
-            sock.close()
-            continue
-        if rank in waiting:
-            waiting.pop(rank).attach(sock)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-@dataclass
-class _Watchdog:
-    """Rank 0: notices a follower that is gone and ends the program within the timeout."""
-
-    links: list[_Link]
-    ring: Ring | None = None
-    _thread: threading.Thread | None = field(default=None, repr=False)
-
-    def arm(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="cluster-watchdog")
-        self._thread.start()
-
-    def _run(self) -> None:
-        timeout = follower_timeout()
-        while True:
-            time.sleep(0.2)
-            ring = self.ring
-            if ring is not None and ring.exiting:
-                return
-            why = next((p for link in self.links if (p := link.problem(timeout))), None)
-            if why is None:
-                continue
-            if ring is not None:
-                with ring._lost_lock:
-                    ring.lost = why
-            # Give the main thread a moment to raise it cleanly (a failed collective does);
-            # a thread blocked for good gets the partial reply saved and a hard exit.
-            time.sleep(2.0)
-            if ring is not None and ring.exiting:
-                return
-            for fn in list(ring.on_lost if ring else []):
-                try:
-                    fn(why)
-                except Exception:  # noqa: BLE001 - exiting anyway; the line matters most
-                    pass
-            write_stderr(f"localchat: error: {why}\n")
-            for link in self.links:
-                try:
-                    link.proc.kill()
-                except OSError:
-                    pass
-            os._exit(1)
-
-
-# -- stderr: MLX's ring prints its socket errors there; the user gets one line ---------------
-
-_REAL_STDERR: int | None = None
-
-
-def write_stderr(text: str) -> None:
-    os.write(_REAL_STDERR if _REAL_STDERR is not None else 2, text.encode())
-
-
-def _quiet_ring_stderr() -> None:
-    """Route fd 2 through a filter that drops MLX's ``[ring] …`` lines (a lost peer prints
-    a dozen); everything else reaches the terminal. Drained at exit."""
-    global _REAL_STDERR
-    if _REAL_STDERR is not None:
-        return
-    import atexit
-
-    _REAL_STDERR = os.dup(2)
-    r, w = os.pipe()
-    os.dup2(w, 2)
-    os.close(w)
-
-    def pump() -> None:
-        with os.fdopen(r, "rb") as pipe:
-            for line in pipe:
-                if not line.startswith(b"[ring]"):
-                    os.write(_REAL_STDERR, line)
-
-    thread = threading.Thread(target=pump, daemon=True, name="stderr-filter")
-    thread.start()
-
-    def drain() -> None:
-        sys.stderr.flush()
-        os.dup2(_REAL_STDERR, 2)  # closes the pipe's last writer: the pump reads to the end
-        thread.join(timeout=2)
-
-    atexit.register(drain)

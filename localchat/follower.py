@@ -1,4 +1,4 @@
-"""A follower rank: ``python -m localchat.follower`` (started by ``cluster.start``).
+"""A follower rank: ``python -m localchat.follower`` (started by ``launch.start``).
 
 It joins the ring, loads its shard of the model, then runs what rank 0 sends over the control
 link (``cluster.py``): the same ``Session`` calls rank 0 makes, on a copy of the conversation's

@@ -15,7 +15,7 @@ from localchat import backend
 
 backend.prepare()
 
-from localchat import cluster, paths  # noqa: E402
+from localchat import launch, paths  # noqa: E402
 from localchat.cli import build_parser, start_cluster  # noqa: E402
 from localchat.store import Store  # noqa: E402
 from localchat.tui.app import LocalchatApp  # noqa: E402
@@ -50,7 +50,7 @@ def main() -> None:
     try:
         print(json.dumps(asyncio.run(run(app, prompts))))
     finally:
-        cluster.shutdown()
+        launch.shutdown()
 
 
 if __name__ == "__main__":

@@ -591,7 +591,7 @@ def run_app(conversation: str | None = None, model: str | None = None,
         if app.lost:
             import os
 
-            from ..cluster import write_stderr
+            from ..launch import write_stderr
 
             group.exiting = True
             write_stderr(f"localchat: error: {app.lost}\n")
