@@ -360,7 +360,14 @@ class Session(TurnCache, Sharing, DraftPrefill):
                                 run.stopped and run.logits_ready, notes)
         for text in notes:
             yield Notice(text)
-        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=kv.disk_bytes(),
+        cache_bytes = kv.disk_bytes()
+        if self.split:  # the conversation's cache is every rank's shard together
+            rows = self.group.gather([cache_bytes, written, int(bool(notes))])
+            cache_bytes, written = sum(r[0] for r in rows), sum(r[1] for r in rows)
+            for rank, row in enumerate(rows[1:], start=1):
+                if row[2]:
+                    yield Notice(f"cache not saved on rank {rank}; it will be rebuilt")
+        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=cache_bytes,
                             written=written, reason=reason, draft=start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 

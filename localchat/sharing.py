@@ -58,9 +58,13 @@ def fork_conversation(store: Store, conv: Conversation, name: str, at: int | Non
 
 
 def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None) -> None:
-    """Delete a conversation's messages, then its KV cache folder (no model needed)."""
+    """Delete a conversation's messages, then its KV cache folder (no model needed), and the
+    shards this machine keeps of it for split runs (``cluster.Ring.kv_root``)."""
     store.delete(conv)
-    shutil.rmtree((kv_root or paths.kv_root()) / str(conv.id), ignore_errors=True)
+    root = kv_root or paths.kv_root()
+    shutil.rmtree(root / str(conv.id), ignore_errors=True)
+    for shard in (paths.kv_root().parent / "kv-shards").glob(f"*/rank*/{conv.id}"):
+        shutil.rmtree(shard, ignore_errors=True)
 
 
 class Sharing:

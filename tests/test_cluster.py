@@ -66,9 +66,22 @@ def test_split_replies_equal_one_process_and_resume_from_every_rank(models, tmp_
     assert two[1]["usage"]["prefilled_tokens"] == one[1]["usage"]["prefilled_tokens"]
     for rank in (0, 1):  # each rank keeps its own shard, with a manifest
         assert any(p.name == "manifest.json" for p in shard_files(home, split, rank)), rank
+    # The usage counts every rank's shard: together about the one-process cache.
+    shards = sum(p.stat().st_size for r in (0, 1) for p in shard_files(home, split, r))
+    assert two[1]["usage"]["cache_bytes"] == shards
+    assert 0.8 < shards / one[1]["usage"]["cache_bytes"] < 1.25
     # Negative control: the replies depend on the conversation (the equality means something).
     other = ask(home, model, "three", "a different first message", split=split)
     assert other["reply"] != two[0]["reply"]
+    # Deleting the conversation (in one process) removes every rank's shard on this machine.
+    def folders(rank: int) -> set[str]:
+        return {p.parent.name for p in shard_files(home, split, rank)}
+
+    assert folders(0) == folders(1) and len(folders(0)) == 2  # "two" and "three"
+    left = folders(0)
+    subprocess.run([sys.executable, "-m", "localchat", "rm", "two"], env=_env(home),
+                   check=True, capture_output=True, timeout=60)
+    assert len(folders(0)) == len(folders(1)) == 1 and folders(0) < left
 
 
 @pytest.mark.parametrize("family,split", [("llama", "tensor"), ("qwen3_next", "pipeline")])
