@@ -227,3 +227,29 @@ def test_ctrl_c_stops_every_rank_at_the_same_token(models, tmp_path):
     assert nxt["usage"]["miss_reason"] == "", nxt["usage"]
     assert nxt["usage"]["cached_tokens"] > 0
     assert not _followers(home)
+
+
+def test_hostfile_starts_remote_followers_through_ssh(models, tmp_path):
+    """A host reached by ssh (here a stand-in `ssh` that runs the command on this machine):
+    the remote launch line (quoting, environment, working folder) starts a working rank."""
+    home = tmp_path / "home"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "ssh-calls.txt"
+    fake = bin_dir / "ssh"
+    fake.write_text(f"#!/bin/bash\n# ssh [-o OPT]... HOST COMMAND\n"
+                    f"while [ \"$1\" = -o ]; do shift 2; done\n"
+                    f"echo \"$1\" >> {calls}\nshift\nexec env -i PATH=\"$PATH\" bash -c \"$1\"\n")
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]},
+                                    {"ssh": "mac2.example", "ips": ["127.0.0.1"]}]))
+    model = models["llama"]
+    one = ask(home, model, "one", "hello there one two")
+    env = {**_env(home), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", "two", "-m", str(model), "--json",
+           "--max-tokens", "12", "--hostfile", str(hostfile), "hello there one two"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["reply"] == one["reply"]
+    assert calls.read_text().split() == ["mac2.example"]  # rank 1 only, by its ssh name
