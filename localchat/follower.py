@@ -92,6 +92,11 @@ def _run(session, msg: dict) -> None:
     if op == "delete":
         session.delete_shard(msg["conversation"])
         return
+    if op == "fork":  # this rank's shard of the fork shares the source's files
+        from .sharing import link_cache
+
+        link_cache(session.kv_root, msg["source"], msg["fork"])
+        return
     options = TurnOptions(**msg["options"])
     if op == "complete":
         pools = session.__dict__.setdefault("_pools", {})

@@ -43,18 +43,28 @@ def fork_conversation(store: Store, conv: Conversation, name: str, at: int | Non
             new = store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
         for m in messages[:at]:
             store.add_message(new, m.role, m.content, m.partial)
-        src = KVStore(kv_root / str(conv.id))
-        try:
-            man = src.manifest()
-        except CacheInvalid:
-            man = None
         written = 0
-        if man is not None and at != 0:
-            try:
-                written = KVStore(kv_root / str(new.id)).adopt(src, man, len(man.tokens))
-            except (CacheInvalid, OSError):
-                shutil.rmtree(kv_root / str(new.id), ignore_errors=True)  # only speed lost
+        if at != 0:
+            written = link_cache(kv_root, conv.id, new.id)
+            # The shards this machine keeps for split runs (``cluster.Ring.kv_root``) too.
+            for shard in (paths.kv_root().parent / "kv-shards").glob(f"*/rank*/{conv.id}"):
+                if shard.parent != kv_root:
+                    written += link_cache(shard.parent, conv.id, new.id)
     return store.get(name), written
+
+
+def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
+    """Make conversation ``dst_id``'s empty cache folder share ``src_id``'s files (all its
+    tokens); bytes written. Any failure only costs the next turn a prefill."""
+    src = KVStore(kv_root / str(src_id))
+    try:
+        man = src.manifest()
+        if man is None or (kv_root / str(dst_id) / "manifest.json").exists():
+            return 0
+        return KVStore(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
+    except (CacheInvalid, OSError):
+        shutil.rmtree(kv_root / str(dst_id), ignore_errors=True)
+        return 0
 
 
 def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None) -> None:
@@ -128,6 +138,10 @@ class Sharing:
     def fork(self, conv: Conversation, name: str, at: int | None = None
              ) -> tuple[Conversation, int]:
         """A new conversation ``name`` with ``conv``'s first ``at`` messages (all if None),
-        sharing ``conv``'s cache files; (the fork, cache bytes written)."""
-        return fork_conversation(self.store, conv, name, at, self.kv_root, self.locks_dir,
-                                 self.lock_timeout)
+        sharing ``conv``'s cache files, on every rank; (the fork, cache bytes written)."""
+        new, written = fork_conversation(self.store, conv, name, at, self.kv_root,
+                                         self.locks_dir, self.lock_timeout)
+        if at != 0:
+            self.group.command("fork", source=conv.id, fork=new.id)
+            self.group.finish()
+        return new, written

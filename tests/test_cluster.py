@@ -253,3 +253,22 @@ def test_hostfile_starts_remote_followers_through_ssh(models, tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["reply"] == one["reply"]
     assert calls.read_text().split() == ["mac2.example"]  # rank 1 only, by its ssh name
+
+
+def test_fork_shares_every_rank_shard(models, tmp_path):
+    home = tmp_path / "home"
+    model = models["qwen3_next"]
+
+    def fork(src: str, dst: str) -> None:
+        subprocess.run([sys.executable, "-m", "localchat", "fork", src, dst], env=_env(home),
+                       check=True, capture_output=True, timeout=60)
+
+    ask(home, model, "one", "hello there one two")
+    fork("one", "one-b")
+    one = ask(home, model, "one-b", "and now the second turn")
+    ask(home, model, "two", "hello there one two", split="pipeline")
+    fork("two", "two-b")
+    two = ask(home, model, "two-b", "and now the second turn", split="pipeline")
+    assert two["reply"] == one["reply"]
+    assert two["usage"]["cached_tokens"] == one["usage"]["cached_tokens"] > 0
+    assert two["usage"]["miss_reason"] == one["usage"]["miss_reason"] == ""
