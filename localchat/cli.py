@@ -18,6 +18,16 @@ from . import paths
 from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, human_bytes, say
 from .models import DEFAULT_MODEL
+from .storecmds import (
+    cmd_cache,
+    cmd_export,
+    cmd_fork,
+    cmd_list,
+    cmd_models,
+    cmd_rm,
+    cmd_show,
+    open_store,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,12 +186,6 @@ def start_cluster(args, model: str | None):
     say(f"{ref.name} split by {'heads' if shard == 'tensor' else 'layers'} over "
         f"{ring.size} ranks")
     return ring
-
-
-def open_store():
-    from .store import Store
-
-    return Store.open(paths.database_path())
 
 
 def open_session(model: str | None, args=None):
@@ -372,138 +376,6 @@ def cmd_batch(args) -> int:
     if failed:
         print(f"localchat: {failed} of {len(items)} lines failed", file=sys.stderr)
     return 1 if failed else 0
-
-
-def cmd_list(args) -> int:
-    """List conversations, most recent first: name, model, messages, tokens, cache size."""
-    from .kvstore import KVStore
-
-    store = open_store()
-    rows = []
-    for conv in store.list():
-        rows.append({
-            "name": conv.name,
-            "model": conv.model,
-            "messages": len(store.messages(conv)),
-            "tokens": conv.tokens,
-            "cache_bytes": KVStore(paths.kv_folder(conv.id)).disk_bytes(),
-        })
-    if args.json:
-        print(json.dumps(rows, ensure_ascii=False))
-        return 0
-    if not rows:
-        print("no conversations yet; start one with: localchat ask -c NAME 'hello'")
-        return 0
-    from . import budget
-
-    used, _ = budget.disk_use(paths.kv_root())
-    width = max(len(r["name"]) for r in rows)
-    for r in rows:
-        print(f"{r['name']:<{width}}  {r['messages']:>4} msgs  {r['tokens']:>6} tokens  "
-              f"{human_bytes(r['cache_bytes']):>9}  {r['model']}")
-    limit = budget.cache_limit(paths.kv_root())
-    print(f"caches on disk: {human_bytes(used)} of {human_bytes(limit)} "
-          "(LOCALCHAT_CACHE_LIMIT; shared files counted once)")
-    return 0
-
-
-def _messages_json(store, conv) -> dict:
-    return {
-        "name": conv.name,
-        "model": conv.model,
-        "system": conv.system,
-        "messages": [
-            {"role": m.role, "content": m.content, **({"partial": True} if m.partial else {})}
-            for m in store.messages(conv)
-        ],
-    }
-
-
-def cmd_show(args) -> int:
-    """Print a conversation's messages."""
-    store = open_store()
-    conv = store.get(args.name)
-    if args.json:
-        print(json.dumps(_messages_json(store, conv), ensure_ascii=False))
-        return 0
-    if conv.system:
-        print(f"[system] {conv.system}\n")
-    for m in store.messages(conv):
-        mark = " (stopped)" if m.partial else ""
-        print(f"[{m.role}]{mark} {m.content}\n")
-    return 0
-
-
-def cmd_export(args) -> int:
-    """Write a conversation as Markdown (default) or JSON to stdout."""
-    store = open_store()
-    conv = store.get(args.name)
-    if args.format == "json":
-        print(json.dumps(_messages_json(store, conv), ensure_ascii=False, indent=2))
-        return 0
-    print(f"# {conv.name}\n\n_model: {conv.model}_\n")
-    if conv.system:
-        print(f"**System:** {conv.system}\n")
-    for m in store.messages(conv):
-        who = {"user": "You", "assistant": "Assistant", "system": "System"}[m.role]
-        mark = " _(stopped)_" if m.partial else ""
-        print(f"## {who}{mark}\n\n{m.content}\n")
-    return 0
-
-
-def cmd_rm(args) -> int:
-    """Delete a conversation, its messages and its KV cache."""
-    from .session import delete_conversation
-
-    store = open_store()
-    conv = store.get(args.name)
-    delete_conversation(store, conv)
-    print(f"deleted {conv.name}", file=sys.stderr)
-    return 0
-
-
-def cmd_fork(args) -> int:
-    """Branch a conversation: NEW gets NAME's first N messages and shares its cache files.
-
-    No model is loaded and no K/V is copied: the cache files are hard links, so forking
-    writes only a manifest, and NEW's next turn prefills only its new message.
-    """
-    from .session import fork_conversation
-
-    store = open_store()
-    conv = store.get(args.name)
-    new, written = fork_conversation(store, conv, args.new, args.at)
-    n = len(store.messages(new))
-    print(f"forked {conv.name} -> {new.name} ({n} messages, {human_bytes(written)} written)",
-          file=sys.stderr)
-    return 0
-
-
-def cmd_cache(args) -> int:
-    """Manage the KV caches on disk: `prune` frees space now (least recently used first)."""
-    from . import budget
-
-    root = paths.kv_root()
-    limit = budget.parse_size(args.to) if args.to else budget.cache_limit(root)
-    before, _ = budget.disk_use(root)
-    cleared = budget.enforce(root, paths.locks_dir(), limit)
-    after, _ = budget.disk_use(root)
-    print(f"caches: {human_bytes(before)} -> {human_bytes(after)} (limit "
-          f"{human_bytes(limit)}); cleared {len(cleared)} conversation caches; messages kept",
-          file=sys.stderr)
-    return 0
-
-
-def cmd_models(args) -> int:
-    """List models usable offline: the embedded default and the local Hugging Face cache."""
-    from .models import list_local
-
-    refs = list_local()
-    if not any(r.name == DEFAULT_MODEL for r in refs):
-        print(f"{DEFAULT_MODEL}  (embedded default; set up on first use)")
-    for r in refs:
-        print(f"{r.name}  ({r.source}: {r.path})")
-    return 0
 
 
 def cmd_inspect(args) -> int:

@@ -10,13 +10,12 @@ thread renders them. Run it with ``localchat`` or
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from textual import on, work
-from textual.app import App, ComposeResult, SystemCommand
+from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import Screen
 from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
@@ -24,16 +23,15 @@ from .. import paths
 from ..engine import Engine
 from ..errors import LocalchatError
 from ..events import Notice, PrefillProgress, ReplyChunk, TurnFinished
-from ..models import DEFAULT_MODEL, list_local
+from ..models import DEFAULT_MODEL
 from ..session import (
     Cancel,
     Session,
     TurnOptions,
-    delete_conversation,
-    fork_conversation,
     open_session,
 )
 from ..store import Conversation, Store
+from .actions import Actions
 from .chatview import ChatView
 from .composer import Composer
 from .messages import (
@@ -48,7 +46,6 @@ from .messages import (
     TurnNoticed,
 )
 from .mlxthread import MLXThread
-from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 from .sidebar import Sidebar
 from .statusbar import StatusBar, describe_draft
 
@@ -62,7 +59,7 @@ def draft_prefill_default() -> bool:
         "0", "off", "false", "no")
 
 
-class LocalchatApp(App):
+class LocalchatApp(Actions, App):
     CSS_PATH = "app.tcss"
     TITLE = "localchat"
     # priority: the text boxes bind ctrl+e (end of line) and ctrl+d (delete right); End and
@@ -407,15 +404,7 @@ class LocalchatApp(App):
         hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
         label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
 
-    # -- actions ---------------------------------------------------------------------------
 
-    @property
-    def dialog_open(self) -> bool:
-        return len(self.screen_stack) > 1
-
-    def action_stop(self) -> None:
-        if self.busy and self._cancel is not None:
-            self._cancel.set()
 
     async def action_quit(self) -> None:
         """Quit; a reply in progress is stopped first, so its partial text is saved.
@@ -427,148 +416,6 @@ class LocalchatApp(App):
             self._cancel.set()
         self._draft_cancel.set()  # the draft lived in memory only: it is dropped
         self.exit()
-
-    def action_new(self) -> None:
-        if self.busy or self.dialog_open:
-            return
-        model = self.current.model if self.current else DEFAULT_MODEL
-        self.open_conversation(self.store.create(self.store.unique_name(), model))
-        self.query_one(Composer).focus()
-
-    def action_regenerate(self) -> None:
-        if self.busy or self.dialog_open or self.current is None:
-            return
-        if not any(m.role == "user" for m in self.store.messages(self.current)):
-            self.notify("nothing to regenerate yet")
-            return
-        if self.session is None:
-            self.notify("the model is not loaded yet", severity="warning")
-            return
-        self.begin_turn(None, "regenerate")
-
-    def action_edit_last(self) -> None:
-        if self.busy or self.dialog_open or self.current is None:
-            return
-        users = [m for m in self.store.messages(self.current) if m.role == "user"]
-        if not users:
-            self.notify("no message to edit yet")
-            return
-        composer = self.query_one(Composer)
-        composer.text = users[-1].content
-        composer.focus()
-        self.editing = True
-        self.update_draft_count()
-
-    def action_rename(self) -> None:
-        if self.dialog_open or self.current is None:
-            return
-
-        def done(name: str | None) -> None:
-            if name and name.strip() and name != self.current.name:
-                try:
-                    self.current = self.store.update(self.current, name=name.strip())
-                except LocalchatError as err:
-                    self.notify(str(err), severity="error")
-                self.refresh_sidebar()
-
-        self.push_screen(TextScreen("Rename conversation", self.current.name), done)
-
-    def action_delete(self) -> None:
-        if self.busy or self.dialog_open or self.current is None:
-            return
-        conv = self.current
-
-        def done(yes: bool | None) -> None:
-            if not yes:
-                return
-            if self.session is not None:
-                self.session.delete(conv)  # also drops the session's memory of its cache
-            else:
-                delete_conversation(self.store, conv)
-            convs = self.store.list()
-            nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
-            self.open_conversation(nxt)
-            self.notify(f"deleted {conv.name}")
-
-        self.push_screen(ConfirmScreen(f"Delete conversation {conv.name!r} and its cache?"),
-                         done)
-
-    def action_fork(self) -> None:
-        """Branch the conversation here: a new one with the same messages, sharing the cache
-        files (nothing is copied), opened at once."""
-        if self.busy or self.dialog_open or self.current is None:
-            return
-        conv = self.current
-
-        def done(name: str | None) -> None:
-            if not name or not name.strip():
-                return
-            try:
-                new, _ = fork_conversation(self.store, conv, name.strip())
-            except LocalchatError as err:
-                self.notify(str(err), severity="error")
-                return
-            self.open_conversation(new)
-            self.notify(f"branched {conv.name} into {new.name}")
-
-        self.push_screen(TextScreen("Branch from here: name of the new conversation",
-                                    self.store.unique_name(f"{conv.name}-branch")), done)
-
-    def action_system_prompt(self) -> None:
-        if self.dialog_open or self.current is None:
-            return
-
-        def done(text: str | None) -> None:
-            if text is not None:
-                self.current = self.store.update(self.current, system=text.strip() or None)
-                self.notify("system prompt set" if text.strip() else "system prompt cleared")
-                self.schedule_draft()  # the draft now follows another system prompt
-
-        self.push_screen(TextScreen("System prompt (empty for the model's default)",
-                                    self.current.system or ""), done)
-
-    def action_pick_model(self) -> None:
-        if self.busy or self.dialog_open or self.current is None:
-            return
-        names = [DEFAULT_MODEL] + [r.name for r in list_local() if r.name != DEFAULT_MODEL]
-        if self.current.model not in names:
-            names.append(self.current.model)
-
-        if self.group is not None:
-            self.notify(f"the model is split over {self.group.size} ranks; restart "
-                        "localchat to use another one", severity="warning")
-            return
-
-        def done(name: str | None) -> None:
-            if name and name != self.current.model:
-                self.current = self.store.update(self.current, model=name)
-                self.start_model(name)
-
-        self.push_screen(ModelScreen(names), done)
-
-    def action_help(self) -> None:
-        self.push_screen(HelpScreen())
-
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)
-        yield SystemCommand("New conversation", "Start a new conversation", self.action_new)
-        yield SystemCommand("Regenerate", "Regenerate the last reply", self.action_regenerate)
-        yield SystemCommand("Edit last message", "Edit and resend your last message",
-                            self.action_edit_last)
-        yield SystemCommand("Rename conversation", "Rename this conversation",
-                            self.action_rename)
-        yield SystemCommand("Delete conversation", "Delete this conversation",
-                            self.action_delete)
-        yield SystemCommand("Branch from here", "A new conversation with these messages, "
-                            "sharing their cache", self.action_fork)
-        yield SystemCommand("System prompt", "Set this conversation's system prompt",
-                            self.action_system_prompt)
-        yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
-        yield SystemCommand(
-            "Draft prefill: " + ("turn off" if self.draft_prefill else "turn on"),
-            "Prefill the message while you type, so the reply starts at once "
-            "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
-        yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)
 
 
 def run_app(conversation: str | None = None, model: str | None = None,

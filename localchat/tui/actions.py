@@ -1,0 +1,175 @@
+"""The app's commands (key bindings and the command palette): stop, new, regenerate, edit,
+rename, delete, branch, system prompt, model, help. A mixin of ``LocalchatApp``; each acts on
+the app's current conversation and its session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from textual.app import SystemCommand
+from textual.screen import Screen
+
+from ..errors import LocalchatError
+from ..models import DEFAULT_MODEL, list_local
+from ..session import delete_conversation, fork_conversation
+from .composer import Composer
+from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
+
+
+class Actions:
+    """``LocalchatApp``'s commands (expects its attributes: ``store``, ``current``, ``busy``,
+    ``group``, ``session``, the MLX thread and the turn methods)."""
+
+    @property
+    def dialog_open(self) -> bool:
+        return len(self.screen_stack) > 1
+
+    def action_stop(self) -> None:
+        if self.busy and self._cancel is not None:
+            self._cancel.set()
+
+    def action_new(self) -> None:
+        if self.busy or self.dialog_open:
+            return
+        model = self.current.model if self.current else DEFAULT_MODEL
+        self.open_conversation(self.store.create(self.store.unique_name(), model))
+        self.query_one(Composer).focus()
+
+    def action_regenerate(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        if not any(m.role == "user" for m in self.store.messages(self.current)):
+            self.notify("nothing to regenerate yet")
+            return
+        if self.session is None:
+            self.notify("the model is not loaded yet", severity="warning")
+            return
+        self.begin_turn(None, "regenerate")
+
+    def action_edit_last(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        users = [m for m in self.store.messages(self.current) if m.role == "user"]
+        if not users:
+            self.notify("no message to edit yet")
+            return
+        composer = self.query_one(Composer)
+        composer.text = users[-1].content
+        composer.focus()
+        self.editing = True
+        self.update_draft_count()
+
+    def action_rename(self) -> None:
+        if self.dialog_open or self.current is None:
+            return
+
+        def done(name: str | None) -> None:
+            if name and name.strip() and name != self.current.name:
+                try:
+                    self.current = self.store.update(self.current, name=name.strip())
+                except LocalchatError as err:
+                    self.notify(str(err), severity="error")
+                self.refresh_sidebar()
+
+        self.push_screen(TextScreen("Rename conversation", self.current.name), done)
+
+    def action_delete(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        conv = self.current
+
+        def done(yes: bool | None) -> None:
+            if not yes:
+                return
+            if self.session is not None:
+                self.session.delete(conv)  # also drops the session's memory of its cache
+            else:
+                delete_conversation(self.store, conv)
+            convs = self.store.list()
+            nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
+            self.open_conversation(nxt)
+            self.notify(f"deleted {conv.name}")
+
+        self.push_screen(ConfirmScreen(f"Delete conversation {conv.name!r} and its cache?"),
+                         done)
+
+    def action_fork(self) -> None:
+        """Branch the conversation here: a new one with the same messages, sharing the cache
+        files (nothing is copied), opened at once."""
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        conv = self.current
+
+        def done(name: str | None) -> None:
+            if not name or not name.strip():
+                return
+            try:
+                if self.session is not None:  # split over ranks: every rank's shard too
+                    new, _ = self.session.fork(conv, name.strip())
+                else:
+                    new, _ = fork_conversation(self.store, conv, name.strip())
+            except LocalchatError as err:
+                self.notify(str(err), severity="error")
+                return
+            self.open_conversation(new)
+            self.notify(f"branched {conv.name} into {new.name}")
+
+        self.push_screen(TextScreen("Branch from here: name of the new conversation",
+                                    self.store.unique_name(f"{conv.name}-branch")), done)
+
+    def action_system_prompt(self) -> None:
+        if self.dialog_open or self.current is None:
+            return
+
+        def done(text: str | None) -> None:
+            if text is not None:
+                self.current = self.store.update(self.current, system=text.strip() or None)
+                self.notify("system prompt set" if text.strip() else "system prompt cleared")
+                self.schedule_draft()  # the draft now follows another system prompt
+
+        self.push_screen(TextScreen("System prompt (empty for the model's default)",
+                                    self.current.system or ""), done)
+
+    def action_pick_model(self) -> None:
+        if self.busy or self.dialog_open or self.current is None:
+            return
+        names = [DEFAULT_MODEL] + [r.name for r in list_local() if r.name != DEFAULT_MODEL]
+        if self.current.model not in names:
+            names.append(self.current.model)
+
+        if self.group is not None:
+            self.notify(f"the model is split over {self.group.size} ranks; restart "
+                        "localchat to use another one", severity="warning")
+            return
+
+        def done(name: str | None) -> None:
+            if name and name != self.current.model:
+                self.current = self.store.update(self.current, model=name)
+                self.start_model(name)
+
+        self.push_screen(ModelScreen(names), done)
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("New conversation", "Start a new conversation", self.action_new)
+        yield SystemCommand("Regenerate", "Regenerate the last reply", self.action_regenerate)
+        yield SystemCommand("Edit last message", "Edit and resend your last message",
+                            self.action_edit_last)
+        yield SystemCommand("Rename conversation", "Rename this conversation",
+                            self.action_rename)
+        yield SystemCommand("Delete conversation", "Delete this conversation",
+                            self.action_delete)
+        yield SystemCommand("Branch from here", "A new conversation with these messages, "
+                            "sharing their cache", self.action_fork)
+        yield SystemCommand("System prompt", "Set this conversation's system prompt",
+                            self.action_system_prompt)
+        yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
+        yield SystemCommand(
+            "Draft prefill: " + ("turn off" if self.draft_prefill else "turn on"),
+            "Prefill the message while you type, so the reply starts at once "
+            "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
+        yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)
