@@ -272,3 +272,31 @@ def test_fork_shares_every_rank_shard(models, tmp_path):
     assert two["reply"] == one["reply"]
     assert two["usage"]["cached_tokens"] == one["usage"]["cached_tokens"] > 0
     assert two["usage"]["miss_reason"] == one["usage"]["miss_reason"] == ""
+
+
+def test_unreachable_host_is_one_line(models, tmp_path):
+    """ssh cannot reach the host: rank 0 says so in one line, in bounded time, before it has
+    made or changed anything."""
+    home = tmp_path / "home"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ssh").write_text("#!/bin/bash\necho 'ssh: connect to host mac2.example port 22: "
+                                 "Connection refused' >&2\nexit 255\n")
+    (bin_dir / "ssh").chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]},
+                                    {"ssh": "mac2.example", "ips": ["127.0.0.1"]}]))
+    env = {**_env(home), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    t = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "localchat", "ask", "-c", "c", "-m",
+                          str(models["llama"]), "--hostfile", str(hostfile), "hi"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - t < 60
+    assert out.returncode == 1
+    lines = [x for x in out.stderr.splitlines() if x.strip()]
+    assert lines[-1] == ("localchat: error: rank 1 (127.0.0.1) exited (status 255): ssh: "
+                         "connect to host mac2.example port 22: Connection refused"), out.stderr
+    assert "Traceback" not in out.stderr
+    listed = subprocess.run([sys.executable, "-m", "localchat", "list", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert json.loads(listed.stdout) == []
