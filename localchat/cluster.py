@@ -257,5 +257,8 @@ def split_model(model, config: dict, ring: Ring, name: str,
         notices = tune(model, f"-pipeline{ring.size}r{ring.rank}")
     mx.eval(model.parameters())
     # Every rank loaded; the first collective also sets the ring up (~0.8 s), not in a turn.
-    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=ring.group, stream=mx.cpu))
+    try:
+        mx.eval(mx.distributed.all_sum(mx.array(1.0), group=ring.group, stream=mx.cpu))
+    except RuntimeError as err:  # a follower that could not load its shard went away
+        raise ring.lost_error(err) from None
     return notices
