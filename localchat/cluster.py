@@ -11,11 +11,11 @@ control link, the call it is about to make (``Session.turn`` with a copy of the 
 stored messages, or ``Session.complete`` for a batch line). A follower runs the same session
 code on its own shard, with its own KV cache folder, so every model call happens on every rank
 in the same order. Where a rank's local state could differ (its cache on disk, a write that
-failed, a Ctrl-C that only rank 0 saw) the session asks the ``Group`` to agree: ``same``,
-``agree_min``, ``agree_all``, ``agree_any`` are MLX collectives over every rank, each tagged
-with a running count so that ranks out of step are caught, not trusted; ``from_root`` makes
-rank 0's sampled token the one every rank feeds. After each call a follower reports how many
-agreements it made; a mismatch stops the program with one line.
+failed, a Ctrl-C that only rank 0 saw) the session asks the group to agree: ``gather``
+(every rank's few integers), ``agree_all``, ``agree_any`` are MLX collectives over every
+rank, each tagged with a running count so that ranks out of step are caught, not trusted;
+``from_root`` makes rank 0's sampled token the one every rank feeds. After each call a
+follower reports how many agreements it made; a mismatch stops the program with one line.
 
 Failure: followers send a heartbeat every second. A follower that exits, closes its link or
 stays silent for ``LOCALCHAT_FOLLOWER_TIMEOUT`` seconds (default 10) ends rank 0 with one line
@@ -24,11 +24,11 @@ first saves the partial reply (``Ring.on_lost``); followers exit when rank 0's l
 
 What it is not: a scheduler. One conversation runs at a time, as in a single process.
 ``Solo`` is the one-process group every session gets by default; its agreements cost nothing.
+Which models split how: ``check_shard``; the split itself: ``split_model``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 import threading
@@ -61,14 +61,8 @@ class Solo:
     size = 1
     shard = ""
 
-    def same(self, text: str) -> bool:
-        return True
-
     def gather(self, values: list[int]) -> list[list[int]]:
         return [list(values)]
-
-    def agree_min(self, value: int) -> int:
-        return value
 
     def agree_all(self, flag: bool) -> bool:
         return bool(flag)
@@ -130,13 +124,6 @@ class Ring:
                               f"{[r[0] for r in rows]}); restart localchat")
         return [r[1:] for r in rows]
 
-    def same(self, text: str) -> bool:
-        digest = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
-        return len({r[0] for r in self._gather([digest])}) == 1
-
-    def agree_min(self, value: int) -> int:
-        return min(r[0] for r in self._gather([int(value)]))
-
     def agree_all(self, flag: bool) -> bool:
         return all(r[0] for r in self._gather([int(bool(flag))]))
 
@@ -166,7 +153,6 @@ class Ring:
         if self.lost:
             raise ClusterLost(self.lost)
         self._seq += 1
-        self._start_agreements = self.agreements
         msg = {"op": op, "seq": self._seq, **payload}
         for link in self.links:
             link.send(msg)
