@@ -79,6 +79,32 @@ def measure(engine, quant: ck.KVQuant) -> Quality:
     return Quality(round(agree, 4), round(delta, 4), len(reply))
 
 
+def setting(engine, bits: int, group: int | None) -> ck.KVQuant | None:
+    """The KV storage ``--kv-bits bits --kv-group-size group`` asks for (None: float16),
+    checked against the model (a group dividing the head dimension) and the gate.
+
+    Raises:
+        BadInput: one line, what to use instead.
+    """
+    if bits == 0:
+        return None
+    if bits not in (4, 8):
+        raise BadInput("--kv-bits must be 8 or 4 (or 0 for float16)")
+    name = engine.ref.name
+    growing = engine.layout().growing
+    if not growing:
+        raise BadInput(f"{name} keeps no growing K/V to quantize")
+    width = growing[0].k_shape[1]
+    group = group or ck.default_group(width)
+    if group not in (32, 64, 128) or not any(ck.KVQuant(bits, group).fits(s)
+                                             for s in growing):
+        raise BadInput(f"--kv-group-size must be 32, 64 or 128 and divide the head "
+                       f"dimension ({width} for {name})")
+    quant = ck.KVQuant(bits, group)
+    check(engine, quant)
+    return quant
+
+
 def check(engine, quant: ck.KVQuant) -> Quality:
     """The gate's verdict for ``quant`` on ``engine``'s model (measured once, remembered).
 

@@ -26,11 +26,11 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import cachekinds as ck
-from . import paths
+from . import kvquality, paths
 from .cluster import ClusterLost, Solo
 from .drafts import DraftPrefill
 from .engine import Engine, now
@@ -41,7 +41,7 @@ from .locks import ConversationLock
 from .prefixes import PrefixPool
 from .sharing import MIN_SHARED, Sharing, delete_conversation, fork_conversation
 from .store import Conversation, Store
-from .turncache import TurnCache, _Live, _Start
+from .turncache import TurnCache, _Live, _Run, _Start
 
 __all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "ReplyChunk",
            "Session", "TurnFinished", "TurnOptions", "Usage", "delete_conversation",
@@ -105,21 +105,6 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     return session
 
 
-@dataclass
-class _Run:
-    """What a turn's prefill and decode produced so far (read when it is cut short)."""
-
-    generated: list[int] = field(default_factory=list)
-    reply: str = ""
-    stopped: bool = False
-    logits_ready: bool = False
-    prefill_s: float = 0.0
-    t_first: float | None = None
-    t_last: float | None = None  # when the last token came (decode speed ends there)
-    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
-    checkpoints: list[ck.Captured] = field(default_factory=list)
-
-
 class Session(TurnCache, Sharing, DraftPrefill):
     """Runs turns of conversations stored in ``store`` with ``engine``."""
 
@@ -179,7 +164,7 @@ class Session(TurnCache, Sharing, DraftPrefill):
         """
         changes = {}
         if kv_bits is not None:
-            quant = self._check_quant(kv_bits, kv_group)
+            quant = kvquality.setting(self.engine, kv_bits, kv_group)
             changes["kv_bits"] = quant.bits if quant else None
             changes["kv_group"] = quant.group if quant else None
         conv = self.store.find(name) if name else None
@@ -191,26 +176,6 @@ class Session(TurnCache, Sharing, DraftPrefill):
             if system is not None and system != conv.system:
                 changes["system"] = system
         return self.store.update(conv, **changes) if changes else conv
-
-    def _check_quant(self, bits: int, group: int | None) -> ck.KVQuant | None:
-        from . import kvquality
-
-        if bits == 0:
-            return None
-        if bits not in (4, 8):
-            raise BadInput("--kv-bits must be 8 or 4 (or 0 for float16)")
-        growing = self.engine.layout().growing
-        if not growing:
-            raise BadInput(f"{self.model_name} keeps no growing K/V to quantize")
-        width = growing[0].k_shape[1]
-        group = group or ck.default_group(width)
-        if group not in (32, 64, 128) or not any(ck.KVQuant(bits, group).fits(s)
-                                                 for s in growing):
-            raise BadInput(f"--kv-group-size must be 32, 64 or 128 and divide the head "
-                           f"dimension ({width} for {self.model_name})")
-        quant = ck.KVQuant(bits, group)
-        kvquality.check(self.engine, quant)
-        return quant
 
     @staticmethod
     def _quant(conv: Conversation) -> ck.KVQuant | None:

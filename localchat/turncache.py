@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import budget
 from . import cachekinds as ck
@@ -59,6 +59,21 @@ class _Start:
     changed: str = ""  # the rendering differs from the cached tokens before their end
     fallback: str = ""  # bounded layers resumed from a checkpoint before that point
     draft: int = 0  # of ``pos``: tokens past the disk's, prefilled as a draft before Enter
+
+
+@dataclass
+class _Run:
+    """What a turn's prefill and decode produced so far (read when it is cut short)."""
+
+    generated: list[int] = field(default_factory=list)
+    reply: str = ""
+    stopped: bool = False
+    logits_ready: bool = False
+    prefill_s: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None  # when the last token came (decode speed ends there)
+    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
+    checkpoints: list[ck.Captured] = field(default_factory=list)
 
 
 class TurnCache:
