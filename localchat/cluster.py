@@ -108,9 +108,6 @@ class Ring:
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (ints), in rank order."""
-        return self._gather(values)
-
-    def _gather(self, values: list[int]) -> list[list[int]]:
         import mlx.core as mx
 
         self.agreements += 1
@@ -125,10 +122,10 @@ class Ring:
         return [r[1:] for r in rows]
 
     def agree_all(self, flag: bool) -> bool:
-        return all(r[0] for r in self._gather([int(bool(flag))]))
+        return all(r[0] for r in self.gather([int(bool(flag))]))
 
     def agree_any(self, flag: bool) -> bool:
-        return any(r[0] for r in self._gather([int(bool(flag))]))
+        return any(r[0] for r in self.gather([int(bool(flag))]))
 
     def from_root(self, y):
         """Rank 0's ``y`` on every rank, kept in the graph (the next step feeds it)."""

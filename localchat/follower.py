@@ -17,6 +17,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def _join(args):
     return Session(Store.open(Path(":memory:")), engine, kv_root, locks, group=ring)
 
 
+_POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -> this rank's
+
+
 def _run(session, msg: dict) -> None:
     """Make the call rank 0 makes (see ``Session.turn`` / ``complete`` / ``delete``)."""
     from .prefixes import PrefixPool
@@ -99,8 +103,7 @@ def _run(session, msg: dict) -> None:
         return
     options = TurnOptions(**msg["options"])
     if op == "complete":
-        pools = session.__dict__.setdefault("_pools", {})
-        pool = pools.setdefault(msg["pool"], PrefixPool(session.engine.new_cache))
+        pool = _POOLS.setdefault(msg["pool"], PrefixPool(session.engine.new_cache))
         for _ in session.complete(msg["messages"], pool, options, Cancel()):
             pass
         return
@@ -128,7 +131,7 @@ class _Link:
 
         while True:
             self.send({"op": "hb"})
-            threading.Event().wait(HEARTBEAT_S)
+            time.sleep(HEARTBEAT_S)
 
     def read_forever(self, commands: queue.Queue) -> None:
         buf = b""

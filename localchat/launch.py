@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths
@@ -69,7 +69,7 @@ class _Link:
     """Rank 0's end of one follower's control connection (JSON lines both ways)."""
 
     def __init__(self, rank: int, host: Host, proc: subprocess.Popen, log: Path):
-        self.rank, self.host_info, self.proc, self.log = rank, host, proc, log
+        self.rank, self.proc, self.log = rank, proc, log
         self.host = host.ip
         self.sock: socket.socket | None = None
         self.last_seen = time.monotonic()
@@ -289,11 +289,9 @@ class _Watchdog:
 
     links: list[_Link]
     ring: Ring | None = None
-    _thread: threading.Thread | None = field(default=None, repr=False)
 
     def arm(self) -> None:
-        self._thread = threading.Thread(target=self._run, daemon=True, name="cluster-watchdog")
-        self._thread.start()
+        threading.Thread(target=self._run, daemon=True, name="cluster-watchdog").start()
 
     def _run(self) -> None:
         timeout = follower_timeout()
