@@ -334,6 +334,34 @@ def write_stderr(text: str) -> None:
     os.write(_REAL_STDERR if _REAL_STDERR is not None else 2, text.encode())
 
 
+def drop_ring_lines(chunk: bytes, dropping: bool) -> tuple[bytes, bool]:
+    """``chunk`` without MLX's ``[ring] …`` messages, which run from the tag to the end of
+    their line; they may start after other output on the same line (the app's screen) and end
+    in a later chunk.
+
+    Args:
+        dropping: a message began in an earlier chunk and its line has not ended yet.
+
+    Returns:
+        (what to write, whether a message is still open at the chunk's end).
+    """
+    out, i = bytearray(), 0
+    while i < len(chunk):
+        if dropping:
+            end = chunk.find(b"\n", i)
+            if end < 0:
+                return bytes(out), True
+            i, dropping = end + 1, False
+        else:
+            tag = chunk.find(b"[ring]", i)
+            if tag < 0:
+                out += chunk[i:]
+                break
+            out += chunk[i:tag]
+            i, dropping = tag, True
+    return bytes(out), dropping
+
+
 def _quiet_ring_stderr() -> None:
     """Route fd 2 through a filter that drops MLX's ``[ring] …`` lines (a lost peer prints
     a dozen); everything else reaches the terminal. Drained at exit."""
@@ -348,10 +376,14 @@ def _quiet_ring_stderr() -> None:
     os.close(w)
 
     def pump() -> None:
-        with os.fdopen(r, "rb") as pipe:
-            for line in pipe:
-                if not line.startswith(b"[ring]"):
-                    os.write(_REAL_STDERR, line)
+        # Chunks, not lines: the chat app draws its screen on this fd too, and a frame (or the
+        # sequence that gives the terminal back) must not wait in here for a newline.
+        dropping = False
+        with os.fdopen(r, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                out, dropping = drop_ring_lines(chunk, dropping)
+                if out:
+                    os.write(_REAL_STDERR, out)
 
     thread = threading.Thread(target=pump, daemon=True, name="stderr-filter")
     thread.start()

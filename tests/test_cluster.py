@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -300,3 +301,101 @@ def test_unreachable_host_is_one_line(models, tmp_path):
     listed = subprocess.run([sys.executable, "-m", "localchat", "list", "--json"], env=env,
                             capture_output=True, text=True, timeout=60)
     assert json.loads(listed.stdout) == []
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the follower through /proc")
+def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path):
+    """`localchat chat --hosts …` in a real terminal (a pty): a follower killed mid-reply ends
+    the app with the terminal given back (alternate screen left) and one line after it, and the
+    streamed part of the reply is stored."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    home = tmp_path / "home"
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the app in the pty
+        os.environ.update(_env(home), TERM="xterm-256color")
+        os.execv(sys.executable, [sys.executable, "-m", "localchat", "chat", "-c", "c", "-m",
+                                  str(models["llama"]), "--hosts", HOSTS])
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    screen = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            screen.extend(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+
+    def wait_for(what: bytes, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while what not in screen and time.monotonic() < end:
+            time.sleep(0.1)
+        assert what in screen, bytes(screen[-2000:])
+
+    try:
+        wait_for(b"\x1b[?1049h", 60)  # the app took the screen
+        wait_for(b"llama", 60)  # the status bar names the loaded model
+        time.sleep(1.0)
+        os.write(fd, b"tell me a long story")
+        time.sleep(0.5)
+        os.write(fd, b"\r")
+        wait_for(b"thinking", 30)
+        time.sleep(1.5)  # the reply is streaming (1,024 tokens at most: several seconds)
+        (follower,) = _followers(home)
+        t = time.monotonic()
+        os.kill(follower, signal.SIGKILL)
+        end = time.monotonic() + TIMEOUT + 20
+        status = None
+        while status is None and time.monotonic() < end:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            status = status if done else None
+            time.sleep(0.1)
+        waited = time.monotonic() - t
+        reader.join(5)
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+        for p in _followers(home):
+            os.kill(p, signal.SIGKILL)
+    assert status is not None and os.waitstatus_to_exitcode(status) == 1
+    assert waited < TIMEOUT + 15
+    text = bytes(screen)
+    left = text.rfind(b"\x1b[?1049l")  # the alternate screen left: the terminal is back
+    assert left > 0, text[-2000:]
+    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text[left:].decode(errors="replace"))
+    lines = [x for x in after.replace("\r", "\n").splitlines() if x.strip()]
+    assert lines and lines[-1].startswith("localchat: error: rank 1 (127.0.0.1)"), after
+    assert b"Traceback" not in text and b"[ring]" not in text
+    shown = subprocess.run([sys.executable, "-m", "localchat", "show", "c", "--json"],
+                           env=_env(home), capture_output=True, text=True, timeout=60)
+    messages = json.loads(shown.stdout)["messages"]
+    assert messages[0]["role"] == "user" and messages[0]["content"] == "tell me a long story"
+    assert messages[-1]["role"] == "assistant" and messages[-1].get("partial"), messages
+    assert len(messages[-1]["content"]) > 0
+
+
+def test_ring_messages_are_dropped_wherever_they_fall_in_the_stream():
+    """MLX's `[ring] …` lines are cut out even mid-line (after a frame of the app's screen)
+    and across chunks; everything else passes at once, newline or not."""
+    from localchat.launch import drop_ring_lines
+
+    chunks = [b"\x1b[20;31H", b"frame[ring] Socket 7 was ", b"closed by the peer\nnext",
+              b" line\n[ring] again\n", b"\x1b[?1049l"]
+    out, dropping, seen = b"", False, []
+    for chunk in chunks:
+        part, dropping = drop_ring_lines(chunk, dropping)
+        seen.append(part)
+        out += part
+    assert out == b"\x1b[20;31Hframenext line\n\x1b[?1049l"
+    assert seen[0] == b"\x1b[20;31H" and seen[-1] == b"\x1b[?1049l"  # not held back
+    assert not dropping
