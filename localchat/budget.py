@@ -8,6 +8,10 @@ counted once) and ``enforce()``, which clears whole conversation caches, oldest 
 conversation's lock, so a running turn's cache is never touched, and only the cache: messages
 live in SQLite and a cleared conversation rebuilds its cache on its next turn.
 
+One budget per data folder: the conversation caches under ``kv/`` and every rank's shard
+caches of split models under ``kv-shards/<shard>-<ranks>/rank<N>/`` (``cache_roots``) count
+together and are cleared oldest first together, whichever process enforces it.
+
 What it is not: per-segment eviction (a conversation's cache is all or nothing: a prefix would
 do for growing layers, but not for the checkpoints of bounded ones).
 """
@@ -57,13 +61,20 @@ class CacheUse:
     own_bytes: int  # bytes freed by clearing it (files no other conversation links)
 
 
+def cache_roots(kv_root: Path) -> list[Path]:
+    """``kv_root`` and, beside it, the folders of every rank's shard caches
+    (``cluster.Ring.kv_root``): the folders whose sub-folders are conversation caches."""
+    shards = kv_root.parent / "kv-shards"
+    return [kv_root, *sorted(p for p in shards.glob("*/rank*") if p.is_dir())]
+
+
 def disk_use(kv_root: Path) -> tuple[int, list[CacheUse]]:
-    """(total bytes, one entry per conversation cache); shared files count once."""
+    """(total bytes, one entry per conversation cache under any of ``cache_roots``); shared
+    files count once."""
     seen: set[tuple[int, int]] = set()
     total, caches = 0, []
-    if not kv_root.is_dir():
-        return 0, []
-    for folder in kv_root.iterdir():
+    folders = [f for root in cache_roots(kv_root) if root.is_dir() for f in root.iterdir()]
+    for folder in folders:
         if not folder.is_dir():
             continue
         own, last = 0, 0.0

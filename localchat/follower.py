@@ -80,7 +80,10 @@ def _join(args):
     engine = Engine.load(args.model, group=ring)
     kv_root = ring.kv_root(paths.kv_root())
     locks = kv_root.parent / f"locks-rank{ring.rank}"
-    return Session(Store.open(Path(":memory:")), engine, kv_root, locks, group=ring)
+    session = Session(Store.open(Path(":memory:")), engine, kv_root, locks, group=ring)
+    # The budget covers this machine's data folder and takes the locks other processes take.
+    session.budget_home = (paths.kv_root(), paths.locks_dir())
+    return session
 
 
 _POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -> this rank's

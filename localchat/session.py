@@ -100,6 +100,7 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
     kv_root = group.kv_root(paths.kv_root()) if group is not None else paths.kv_root()
     session = Session(store, engine, kv_root, paths.locks_dir(), lock_timeout, group=group)
+    session.budget_home = (paths.kv_root(), paths.locks_dir())
     if group is not None:
         group.on_lost.append(session.save_partial)
     return session
@@ -114,6 +115,9 @@ class Session(TurnCache, Sharing, DraftPrefill):
         self.engine = engine
         self.kv_root = kv_root
         self.locks_dir = locks_dir
+        # The disk budget's cache root and locks: this data folder's, whatever folder this
+        # session's own caches live in (a rank's shard folder, say).
+        self.budget_home = (kv_root, locks_dir)
         self.lock_timeout = lock_timeout
         self._live: _Live | None = None
         self.group = group or Solo()  # the ranks the model is split over (``cluster.py``)

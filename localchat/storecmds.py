@@ -19,10 +19,13 @@ def open_store():
 
 
 def cmd_list(args) -> int:
-    """List conversations, most recent first: name, model, messages, tokens, cache size."""
+    """List conversations, most recent first: name, model, messages, tokens, cache size (on
+    this machine: its own cache and the shards of split runs)."""
+    from . import budget
     from .kvstore import KVStore
 
     store = open_store()
+    roots = budget.cache_roots(paths.kv_root())
     rows = []
     for conv in store.list():
         rows.append({
@@ -30,7 +33,7 @@ def cmd_list(args) -> int:
             "model": conv.model,
             "messages": len(store.messages(conv)),
             "tokens": conv.tokens,
-            "cache_bytes": KVStore(paths.kv_folder(conv.id)).disk_bytes(),
+            "cache_bytes": sum(KVStore(root / str(conv.id)).disk_bytes() for root in roots),
         })
     if args.json:
         print(json.dumps(rows, ensure_ascii=False))
@@ -38,8 +41,6 @@ def cmd_list(args) -> int:
     if not rows:
         print("no conversations yet; start one with: localchat ask -c NAME 'hello'")
         return 0
-    from . import budget
-
     used, _ = budget.disk_use(paths.kv_root())
     width = max(len(r["name"]) for r in rows)
     for r in rows:

@@ -289,7 +289,7 @@ class TurnCache:
                 # those (quantized as they are stored), so the disk copy is rewritten to match.
                 written = kv.commit(layout, fed, cache, run.checkpoints, start.pos, encode,
                                     self._shareable_ends(conv, fed))
-                budget.enforce(self.kv_root, self.locks_dir, budget.cache_limit(self.kv_root),
+                budget.enforce(*self.budget_home, budget.cache_limit(self.budget_home[0]),
                                keep={str(conv.id)})
                 held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
                 # Memory keeps what the disk keeps: the newest few (a long chat must not grow).

@@ -399,3 +399,27 @@ def test_ring_messages_are_dropped_wherever_they_fall_in_the_stream():
     assert out == b"\x1b[20;31Hframenext line\n\x1b[?1049l"
     assert seen[0] == b"\x1b[20;31H" and seen[-1] == b"\x1b[?1049l"  # not held back
     assert not dropping
+
+
+def test_disk_budget_covers_every_rank_folder(models, tmp_path):
+    """LOCALCHAT_CACHE_LIMIT is one budget for the data folder: a split model's older shard
+    caches (every rank's) are cleared to make room, the current conversation's kept."""
+    home = tmp_path / "home"
+    first = ask(home, models["llama"], "a", "hello one two three", split="tensor")
+    used = sum(f.stat().st_size for r in (0, 1) for f in shard_files(home, "tensor", r))
+    assert first["reply"] and used > 0
+    env = {**_env(home), "LOCALCHAT_CACHE_LIMIT": str(used + 1024)}
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", "b", "-m", str(models["llama"]),
+           "--json", "--max-tokens", "12", "--hosts", HOSTS, "--shard", "tensor",
+           "hello four five six"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    listed = subprocess.run([sys.executable, "-m", "localchat", "list", "--json"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    rows = {r["name"]: r for r in json.loads(listed.stdout)}
+    assert rows["a"]["messages"] == rows["b"]["messages"] == 2  # messages always stay
+    assert rows["a"]["cache_bytes"] == 0 and rows["b"]["cache_bytes"] > 0
+    folders = {f.parent.name for r in (0, 1) for f in shard_files(home, "tensor", r)}
+    assert len(folders) == 1  # one conversation's shards left: the newer one, on both ranks
+    for r in (0, 1):
+        assert {f.parent.name for f in shard_files(home, "tensor", r)} == folders

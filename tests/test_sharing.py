@@ -109,3 +109,31 @@ def test_a_batch_line_reuses_a_stored_prefix(home, store, engine, tmp_path, caps
     result = json.loads(capsys.readouterr().out)
     assert result["usage"]["cached_tokens"] > 300
     assert os.environ.get("LOCALCHAT_CACHE_LIMIT") is None
+
+
+def test_rank_shard_caches_share_the_budget_and_go_oldest_first(home, store, engine,
+                                                               monkeypatch):
+    """Caches of a split model (one folder per rank, beside kv/) count toward the same
+    limit and are cleared least recently used first with the rest."""
+    import shutil
+    import time
+
+    old = store.create("old", engine.ref.name)
+    run_turn(fresh(store, engine), old, "Hello there, tell me about Jeju.")
+    old_folder = paths.kv_root() / str(old.id)
+    shard = paths.kv_root().parent / "kv-shards" / "tensor-2" / "rank1" / "9999"
+    shutil.copytree(old_folder, shard)  # a rank's cache: real files, used long ago
+    an_hour_ago = time.time() - 3600
+    for f in shard.iterdir():
+        os.utime(f, (an_hour_ago, an_hour_ago))
+    size = lambda folder: sum(f.stat().st_size for f in folder.iterdir())  # noqa: E731
+    assert budget.disk_use(paths.kv_root())[0] == size(old_folder) + size(shard)
+
+    # Room for two caches of this size: the third (the new turn's) pushes the oldest out.
+    monkeypatch.setenv("LOCALCHAT_CACHE_LIMIT", str(2 * size(old_folder) + 4096))
+    new = store.create("new", engine.ref.name)
+    run_turn(fresh(store, engine), new, "Hello there, tell me about Busan.")
+    assert not any(shard.iterdir())  # the rank's old cache went first
+    assert size(old_folder) > 0  # the more recently used one stayed
+    assert budget.disk_use(paths.kv_root())[0] == size(old_folder) + size(
+        paths.kv_root() / str(new.id))
