@@ -368,7 +368,7 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
         for p in _followers(home):
             os.kill(p, signal.SIGKILL)
     assert status is not None and os.waitstatus_to_exitcode(status) == 1
-    assert waited < TIMEOUT + 15
+    assert waited < TIMEOUT  # an exit is seen at once; the screen does not hold it up
     text = bytes(screen)
     left = text.rfind(b"\x1b[?1049l")  # the alternate screen left: the terminal is back
     assert left > 0, text[-2000:]

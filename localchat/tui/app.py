@@ -9,6 +9,7 @@ thread renders them. Run it with ``localchat`` or
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Callable
 
@@ -432,9 +433,16 @@ def run_app(conversation: str | None = None, model: str | None = None,
             app.call_from_thread(app.exit)
             closed.wait(3.0)
 
+        async def run() -> None:
+            try:
+                await app.run_async()
+            finally:
+                # The terminal is back now; ``app.run()`` would return only after the
+                # worker thread, which a lost rank can block in a collective for good.
+                closed.set()
+
         group.on_lost.append(lost)
-        app.run()
-        closed.set()
+        asyncio.run(run())
         if app.lost:
             import os
 
