@@ -328,10 +328,30 @@ class _Watchdog:
 # -- stderr: MLX's ring prints its socket errors there; the user gets one line ---------------
 
 _REAL_STDERR: int | None = None
+_PUMP: threading.Thread | None = None  # forwards the filtered stream to _REAL_STDERR
 
 
 def write_stderr(text: str) -> None:
-    os.write(_REAL_STDERR if _REAL_STDERR is not None else 2, text.encode())
+    """rank 0's last words before a hard exit: after everything already written to the
+    terminal (the app's last frame and the sequence that gives the terminal back may still be
+    in the filter), and nothing after them (late ``[ring]`` messages go nowhere)."""
+    sys.stderr.flush()
+    os.write(2, text.encode())
+    _end_filter(os.devnull)
+
+
+def _end_filter(then: str | None = None) -> None:
+    """Close the filter's pipe (fd 2 becomes the real stderr, or the file ``then``) and wait
+    for the pump to forward what is left."""
+    if _PUMP is None or _REAL_STDERR is None:
+        return
+    if then is None:
+        os.dup2(_REAL_STDERR, 2)  # closes the pipe's last writer: the pump reads to the end
+    else:
+        fd = os.open(then, os.O_WRONLY)
+        os.dup2(fd, 2)
+        os.close(fd)
+    _PUMP.join(timeout=2)
 
 
 def drop_ring_lines(chunk: bytes, dropping: bool) -> tuple[bytes, bool]:
@@ -365,7 +385,7 @@ def drop_ring_lines(chunk: bytes, dropping: bool) -> tuple[bytes, bool]:
 def _quiet_ring_stderr() -> None:
     """Route fd 2 through a filter that drops MLX's ``[ring] …`` lines (a lost peer prints
     a dozen); everything else reaches the terminal. Drained at exit."""
-    global _REAL_STDERR
+    global _REAL_STDERR, _PUMP
     if _REAL_STDERR is not None:
         return
     import atexit
@@ -385,12 +405,11 @@ def _quiet_ring_stderr() -> None:
                 if out:
                     os.write(_REAL_STDERR, out)
 
-    thread = threading.Thread(target=pump, daemon=True, name="stderr-filter")
-    thread.start()
+    _PUMP = threading.Thread(target=pump, daemon=True, name="stderr-filter")
+    _PUMP.start()
 
     def drain() -> None:
         sys.stderr.flush()
-        os.dup2(_REAL_STDERR, 2)  # closes the pipe's last writer: the pump reads to the end
-        thread.join(timeout=2)
+        _end_filter()
 
     atexit.register(drain)
