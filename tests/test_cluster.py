@@ -344,12 +344,13 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
 
     try:
         wait_for(b"\x1b[?1049h", 60)  # the app took the screen
-        wait_for(b"llama", 60)  # the status bar names the loaded model
-        time.sleep(1.0)
+        wait_for(b"ctx ", 60)  # the status bar shows the context once the model is loaded
         os.write(fd, b"tell me a long story")
-        time.sleep(0.5)
-        os.write(fd, b"\r")
-        wait_for(b"thinking", 30)
+        end = time.monotonic() + 30
+        while b"thinking" not in screen and time.monotonic() < end:
+            os.write(fd, b"\r")  # again if it came too early (the text stays in the box)
+            time.sleep(2.0)
+        wait_for(b"thinking", 1)
         time.sleep(1.5)  # the reply is streaming (1,024 tokens at most: several seconds)
         (follower,) = _followers(home)
         t = time.monotonic()
