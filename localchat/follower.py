@@ -15,7 +15,6 @@ import os
 import queue
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -68,22 +67,13 @@ def _join(args):
     from .store import Store
 
     backend.prepare()
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        f.write(os.environ["LOCALCHAT_RING_HOSTS"])
-    os.environ["MLX_HOSTFILE"] = f.name
-    import mlx.core as mx
+    from .cluster import Ring, join_ring
 
-    from .cluster import Ring
-
-    ring = Ring(mx.distributed.init(backend="ring", strict=True), args.shard)
-    os.unlink(f.name)
+    ring = Ring(join_ring(os.environ["LOCALCHAT_RING_HOSTS"]), args.shard)
     engine = Engine.load(args.model, group=ring)
     kv_root = ring.kv_root(paths.kv_root())
     locks = kv_root.parent / f"locks-rank{ring.rank}"
-    session = Session(Store.open(Path(":memory:")), engine, kv_root, locks, group=ring)
-    # The budget covers this machine's data folder and takes the locks other processes take.
-    session.budget_home = (paths.kv_root(), paths.locks_dir())
-    return session
+    return Session(Store.open(Path(":memory:")), engine, kv_root, locks)
 
 
 _POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -> this rank's
@@ -137,18 +127,11 @@ class _Link:
             time.sleep(HEARTBEAT_S)
 
     def read_forever(self, commands: queue.Queue) -> None:
-        buf = b""
-        while True:
-            try:
-                data = self.sock.recv(1 << 20)
-            except OSError:
-                data = b""
-            if not data:
-                os._exit(0)  # rank 0 closed the link (or died): nothing left to follow
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                commands.put(json.loads(line))
+        from .cluster import json_lines
+
+        for msg in json_lines(self.sock, 1 << 20):
+            commands.put(msg)
+        os._exit(0)  # rank 0 closed the link (or died): nothing left to follow
 
 
 def _one_line(err: BaseException) -> str:

@@ -17,7 +17,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths
-from .cluster import RING_PORT, SHARDS, ClusterLost, Ring, follower_timeout
+from .cluster import RING_PORT, ClusterLost, Ring, follower_timeout, join_ring, json_lines
 from .errors import BadInput
 
 # -- hosts -----------------------------------------------------------------------------------
@@ -85,30 +84,19 @@ class _Link:
         threading.Thread(target=self._read, daemon=True, name=f"rank{self.rank}-link").start()
 
     def _read(self) -> None:
-        buf = b""
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                with self.cond:
-                    self.closed = True
-                    self.cond.notify_all()
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                msg = json.loads(line)
-                with self.cond:
-                    self.last_seen = time.monotonic()
-                    if msg.get("op") == "done":
-                        self.done[msg["seq"]] = msg["agreements"]
-                    elif msg.get("op") == "error":
-                        self.error = msg["text"]
-                    elif msg.get("op") == "ready":
-                        self.done[0] = 0
-                    self.cond.notify_all()
+        for msg in json_lines(self.sock):
+            with self.cond:
+                self.last_seen = time.monotonic()
+                if msg.get("op") == "done":
+                    self.done[msg["seq"]] = msg["agreements"]
+                elif msg.get("op") == "error":
+                    self.error = msg["text"]
+                elif msg.get("op") == "ready":
+                    self.done[0] = 0
+                self.cond.notify_all()
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
 
     def send(self, msg: dict) -> None:
         data = (json.dumps(msg) + "\n").encode()
@@ -172,8 +160,6 @@ def start(hosts: list[Host], shard: str, model: str | None,
     """
     from . import backend
 
-    if shard not in SHARDS:
-        raise BadInput(f"--shard must be one of {', '.join(SHARDS)}")
     backend.prepare()
     say = progress or (lambda _m: None)
     local = all(h.ip in LOOPBACK for h in hosts)
@@ -194,15 +180,10 @@ def start(hosts: list[Host], shard: str, model: str | None,
     watchdog = _Watchdog(links)
     try:
         _accept(server, links)
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            f.write(ring_hosts)
-        os.environ["MLX_HOSTFILE"], os.environ["MLX_RANK"] = f.name, "0"
+        os.environ["MLX_RANK"] = "0"
         _quiet_ring_stderr()
-        import mlx.core as mx
-
         watchdog.arm()
-        group = mx.distributed.init(backend="ring", strict=True)
-        os.unlink(f.name)
+        group = join_ring(ring_hosts)
     except BaseException:
         for link in links:
             link.proc.kill()
@@ -304,8 +285,7 @@ class _Watchdog:
             if why is None:
                 continue
             if ring is not None:
-                with ring._lost_lock:
-                    ring.lost = why
+                ring.lost = why
             # Give the main thread a moment to raise it cleanly (a failed collective does);
             # a thread blocked for good gets the partial reply saved and a hard exit.
             time.sleep(2.0)

@@ -21,6 +21,7 @@ Split over ranks (``cluster.py``), every rank runs these same calls on its own s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -31,7 +32,7 @@ from pathlib import Path
 
 from . import cachekinds as ck
 from . import kvquality, paths
-from .cluster import ClusterLost, Solo
+from .cluster import ClusterLost
 from .drafts import DraftPrefill
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, LocalchatError
@@ -98,11 +99,11 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
         raise
     if lock_timeout is None:
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
-    kv_root = group.kv_root(paths.kv_root()) if group is not None else paths.kv_root()
-    session = Session(store, engine, kv_root, paths.locks_dir(), lock_timeout, group=group)
-    session.budget_home = (paths.kv_root(), paths.locks_dir())
+    session = Session(store, engine, engine.group.kv_root(paths.kv_root()), paths.locks_dir(),
+                      lock_timeout)
     if group is not None:
-        group.on_lost.append(session.save_partial)
+        # Before the app's hook: once the app has given the terminal back, it may exit.
+        group.on_lost.insert(0, session.save_partial)
     return session
 
 
@@ -110,17 +111,18 @@ class Session(TurnCache, Sharing, DraftPrefill):
     """Runs turns of conversations stored in ``store`` with ``engine``."""
 
     def __init__(self, store: Store, engine: Engine, kv_root: Path, locks_dir: Path,
-                 lock_timeout: float = 60.0, group=None):
+                 lock_timeout: float = 60.0):
         self.store = store
         self.engine = engine
         self.kv_root = kv_root
         self.locks_dir = locks_dir
-        # The disk budget's cache root and locks: this data folder's, whatever folder this
-        # session's own caches live in (a rank's shard folder, say).
-        self.budget_home = (kv_root, locks_dir)
         self.lock_timeout = lock_timeout
         self._live: _Live | None = None
-        self.group = group or Solo()  # the ranks the model is split over (``cluster.py``)
+        self.group = engine.group  # the ranks the model is split over (``cluster.py``)
+        # The disk budget's cache root and locks: split, this machine's data folder's (the
+        # session's own caches are one rank's folder of it), else the session's own.
+        self.budget_home = ((paths.kv_root(), paths.locks_dir()) if self.split
+                            else (kv_root, locks_dir))
         self._running: tuple[Conversation, _Run] | None = None  # for ``save_partial``
 
     @property
@@ -130,8 +132,6 @@ class Session(TurnCache, Sharing, DraftPrefill):
 
     def close(self) -> None:
         self.store.close()
-        if self.split and self.group.rank == 0:
-            self.group.close()
 
     def save_partial(self, why: str = "") -> None:
         """Store the reply of a turn that cannot finish (a follower was lost while it ran),
@@ -249,17 +249,11 @@ class Session(TurnCache, Sharing, DraftPrefill):
                     options=dataclasses.asdict(options),
                     messages=[(m.seq, m.role, m.content, m.partial)
                               for m in self.store.messages(conv)])
-            reason = ""
-            if cut is not None:
-                reason = self._cut(conv, cut)
-            yield from self._turn(conv, prompt, options, cancel, t0, reason)
-        except ClusterLost:
-            raise
-        except LocalchatError:
-            self.group.finish()  # the followers raised it too, at the same point
-            raise
-        else:
-            self.group.finish()
+            with self._reported():
+                reason = ""
+                if cut is not None:
+                    reason = self._cut(conv, cut)
+                yield from self._turn(conv, prompt, options, cancel, t0, reason)
         finally:
             lock.release()
             self._running = None
@@ -351,8 +345,16 @@ class Session(TurnCache, Sharing, DraftPrefill):
         if self.split and self.group.rank == 0:
             self.group.command("complete", messages=messages, pool=id(pool),
                                options=dataclasses.asdict(options))
-        try:
+        with self._reported():
             yield from self._complete(messages, pool, options, cancel, t0)
+
+    @contextlib.contextmanager
+    def _reported(self):
+        """A call every rank makes: when it ends, or fails with the same LocalchatError on
+        every rank (they raise it at the same point), the followers' reports are checked
+        (``group.finish``); a lost rank has nothing to report."""
+        try:
+            yield
         except ClusterLost:
             raise
         except LocalchatError:

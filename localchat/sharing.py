@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import paths
+from . import budget, paths
 from .errors import BadInput
 from .kvstore import CacheInvalid, KVStore, Layout, Manifest, common_prefix
 from .locks import ConversationLock
@@ -47,9 +47,9 @@ def fork_conversation(store: Store, conv: Conversation, name: str, at: int | Non
         if at != 0:
             written = link_cache(kv_root, conv.id, new.id)
             # The shards this machine keeps for split runs (``cluster.Ring.kv_root``) too.
-            for shard in (paths.kv_root().parent / "kv-shards").glob(f"*/rank*/{conv.id}"):
-                if shard.parent != kv_root:
-                    written += link_cache(shard.parent, conv.id, new.id)
+            for root in budget.cache_roots(paths.kv_root())[1:]:
+                if root != kv_root:
+                    written += link_cache(root, conv.id, new.id)
     return store.get(name), written
 
 
@@ -73,8 +73,8 @@ def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None =
     store.delete(conv)
     root = kv_root or paths.kv_root()
     shutil.rmtree(root / str(conv.id), ignore_errors=True)
-    for shard in (paths.kv_root().parent / "kv-shards").glob(f"*/rank*/{conv.id}"):
-        shutil.rmtree(shard, ignore_errors=True)
+    for shards in budget.cache_roots(paths.kv_root())[1:]:
+        shutil.rmtree(shards / str(conv.id), ignore_errors=True)
 
 
 class Sharing:

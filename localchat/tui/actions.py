@@ -134,14 +134,13 @@ class Actions:
     def action_pick_model(self) -> None:
         if self.busy or self.dialog_open or self.current is None:
             return
-        names = [DEFAULT_MODEL] + [r.name for r in list_local() if r.name != DEFAULT_MODEL]
-        if self.current.model not in names:
-            names.append(self.current.model)
-
         if self.group is not None:
             self.notify(f"the model is split over {self.group.size} ranks; restart "
                         "localchat to use another one", severity="warning")
             return
+        names = [DEFAULT_MODEL] + [r.name for r in list_local() if r.name != DEFAULT_MODEL]
+        if self.current.model not in names:
+            names.append(self.current.model)
 
         def done(name: str | None) -> None:
             if name and name != self.current.model:
