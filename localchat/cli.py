@@ -2,7 +2,9 @@
 
 Each subcommand's docstring is its help text. Results go to stdout (JSON where asked),
 diagnostics to stderr; a ``LocalchatError`` becomes one line ``localchat: error: …`` and its
-exit code, never a traceback. Run ``localchat --help`` or ``python -m localchat --help``.
+exit code, never a traceback; any other exception is a bug: its traceback goes to a log file
+under ``$LOCALCHAT_HOME/logs/`` and the line names it (``crashlog.py``; ``LOCALCHAT_DEBUG=1``
+shows it). Run ``localchat --help`` or ``python -m localchat --help``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from . import paths
+from . import crashlog, paths
 from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, human_bytes, say
 from .models import DEFAULT_MODEL
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable = getattr(args, "handler", None) or cmd_chat
+    paths.keep_private()
     try:
+        if (notice := paths.privacy_notice()) and handler is not cmd_chat:
+            say(notice)  # (the app shows it as a notification)
         return handler(args) or 0
     except LocalchatError as err:
         print(f"localchat: error: {err}", file=sys.stderr)
@@ -44,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except Exception as err:  # a bug: one line and a log file, not a traceback
+        if crashlog.debug():
+            raise
+        print(f"localchat: error: {crashlog.one_line(err, crashlog.write(err))}",
+              file=sys.stderr)
+        return 1
     finally:
         if (launch := sys.modules.get("localchat.launch")) is not None:
             launch.shutdown()

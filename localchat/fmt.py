@@ -2,6 +2,20 @@
 
 import sys
 
+# C0 controls but newline and tab, DEL, and C1 controls: a terminal acts on them (an ESC starts
+# a sequence that can move the cursor, clear the screen, set the title), so text from people,
+# models and files never reaches the screen with them. Each is shown as a visible stand-in.
+_CONTROLS = {c: 0x2400 + c for c in range(0x20) if c not in (0x09, 0x0A)}
+_CONTROLS[0x7F] = 0x2421  # ␡
+_CONTROLS.update({c: 0xFFFD for c in range(0x80, 0xA0)})
+
+
+def visible(text: str) -> str:
+    """``text`` as a terminal may show it: control characters as their pictures (ESC as ␛,
+    CR as ␍, NUL as ␀; C1 controls as U+FFFD), everything else as it is (Korean, emoji,
+    right-to-left text). Stored text is never changed; only what is drawn."""
+    return text.translate(_CONTROLS)
+
 
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KB'; bytes below 1 KB stay whole."""

@@ -2,10 +2,53 @@
 
 ``LOCALCHAT_HOME`` overrides the platform's user data folder (``platformdirs``). Nothing is
 created at import; callers create folders when they first write.
+
+Privacy: conversations are private. The entry points (``cli.main``, the follower) call
+``keep_private`` first, so whatever the user's umask every folder localchat creates is 0700
+and every file 0600 (database and WAL, caches, logs, sidecars, converted models); a data
+folder that already exists and is open to others gets a one-line notice
+(``privacy_notice``), never a silent chmod of a folder the user chose.
 """
 
 import os
+import stat
 from pathlib import Path
+
+PRIVATE_UMASK = 0o077
+USER_UMASK: int | None = None  # the umask the process started with (files the user names)
+
+
+def keep_private() -> None:
+    """Create everything from here on owner-only (0700 folders, 0600 files), whatever the
+    umask; remembers the user's own for files outside the data folder (``user_mode``)."""
+    global USER_UMASK
+    old = os.umask(PRIVATE_UMASK)
+    if USER_UMASK is None:
+        USER_UMASK = old
+
+
+def user_mode(mode: int = 0o666) -> int:
+    """``mode`` under the user's own umask: for files the user names (``batch -o``)."""
+    return mode & ~(USER_UMASK if USER_UMASK is not None else 0o022)
+
+
+def ensure(folder: Path) -> Path:
+    """``folder``, created owner-only if missing."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return folder
+
+
+def privacy_notice() -> str | None:
+    """One line when the data folder exists and others may read or enter it, else None."""
+    home = data_home()
+    try:
+        mode = stat.S_IMODE(home.stat().st_mode)
+    except OSError:
+        return None
+    if not mode & 0o077:
+        return None
+    return (f"{home} can be read by other users (mode {mode:o}); your conversations are in "
+            f"it: `chmod 700 {home}` keeps them private")
 
 
 def data_home() -> Path:
@@ -35,6 +78,11 @@ def kv_folder(conversation_id: int) -> Path:
 def models_dir() -> Path:
     """Folder holding models localchat converted itself (the embedded default)."""
     return data_home() / "models"
+
+
+def logs_dir() -> Path:
+    """Crash logs (``crashlog.py``) and the follower ranks' output (``launch.py``)."""
+    return data_home() / "logs"
 
 
 def locks_dir() -> Path:

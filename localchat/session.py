@@ -35,7 +35,7 @@ from . import kvquality, paths
 from .cluster import ClusterLost
 from .drafts import DraftPrefill
 from .engine import Engine, now
-from .errors import BadInput, ContextFull, LocalchatError
+from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from .kvstore import CacheInvalid, KVStore
 from .locks import ConversationLock
@@ -193,7 +193,7 @@ class Session(TurnCache, Sharing, DraftPrefill):
         if self._live and self._live.conversation_id == conv.id:
             self._live = None
         self.group.command("delete", conversation=conv.id)
-        delete_conversation(self.store, conv, self.kv_root)
+        delete_conversation(self.store, conv, self.kv_root, self.locks_dir, self.lock_timeout)
         self.group.finish()
 
     def delete_shard(self, conversation_id: int) -> None:
@@ -243,6 +243,14 @@ class Session(TurnCache, Sharing, DraftPrefill):
             yield Notice(lock.waiting_message)
             lock.acquire()
         try:
+            # Under the lock, as stored now: another process may have renamed, changed or
+            # deleted it (``localchat rm`` takes this lock too), and nothing is written into
+            # a conversation that is gone.
+            fresh = self.store.by_id(conv)
+            if fresh is None:
+                raise ConversationNotFound(f"conversation {conv.name!r} was deleted by "
+                                           "another localchat process")
+            conv = fresh
             if self.split and self.group.rank == 0:
                 self.group.command(
                     "turn", conversation=dataclasses.asdict(conv), prompt=prompt, cut=cut,

@@ -67,14 +67,22 @@ def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
         return 0
 
 
-def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None) -> None:
+def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None,
+                        locks_dir: Path | None = None, lock_timeout: float = 60.0) -> None:
     """Delete a conversation's messages, then its KV cache folder (no model needed), and the
-    shards this machine keeps of it for split runs (``cluster.Ring.kv_root``)."""
-    store.delete(conv)
-    root = kv_root or paths.kv_root()
-    shutil.rmtree(root / str(conv.id), ignore_errors=True)
-    for shards in budget.cache_roots(paths.kv_root())[1:]:
-        shutil.rmtree(shards / str(conv.id), ignore_errors=True)
+    shards this machine keeps of it for split runs (``cluster.Ring.kv_root``).
+
+    Under the conversation's lock: a turn running in another process finishes first, and
+    the next one sees the conversation gone (``Session._locked``) instead of writing into it.
+    """
+    lock = ConversationLock((locks_dir or paths.locks_dir()) / f"{conv.id}.lock", conv.name,
+                            lock_timeout)
+    with lock:
+        store.delete(conv)
+        root = kv_root or paths.kv_root()
+        shutil.rmtree(root / str(conv.id), ignore_errors=True)
+        for shards in budget.cache_roots(paths.kv_root())[1:]:
+            shutil.rmtree(shards / str(conv.id), ignore_errors=True)
 
 
 class Sharing:

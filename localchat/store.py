@@ -4,6 +4,12 @@ Plain ``sqlite3`` rows mapped to frozen dataclasses; no ORM. The schema version 
 ``PRAGMA user_version``; ``MIGRATIONS[i]`` takes the database from version i to i + 1 and is
 never edited once released (add a new one instead). WAL mode lets the app and ``ask`` read
 while the other writes; a conversation's turns are serialised by ``locks.py``, not here.
+
+The file is checked before it is used: a file that is not SQLite, another program's
+database, one made by a newer localchat, or one whose tables are not the ones the migrations
+make is refused with one line naming the file and what to do — and nothing is written to it.
+A database damaged later (an unreadable page) fails the read or write that meets it with the
+same kind of line (``StorageError``).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import paths
 from .errors import BadInput, ConversationNotFound, StorageError
 
 MIGRATIONS = [
@@ -74,22 +81,41 @@ class Message:
 class Store:
     """The app's database. Open with ``Store.open(path)``; one per thread."""
 
-    def __init__(self, db: sqlite3.Connection):
+    def __init__(self, db: sqlite3.Connection, path: Path | None = None):
         self.db = db
+        self.path = path
 
     @classmethod
     def open(cls, path: Path) -> Store:
+        """Open (or create) the database at ``path``, checked and migrated.
+
+        Raises:
+            StorageError: the file cannot be opened, is not localchat's, or is damaged.
+        """
+        db = None
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            paths.ensure(path.parent)
             db = sqlite3.connect(path, timeout=30, isolation_level=None,
                                  check_same_thread=False)
             db.execute("PRAGMA busy_timeout = 30000")
+            check_schema(db, path)  # before anything writes to it
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA foreign_keys=ON")
             migrate(db)
+            check_schema(db, path)
+        except StorageError:
+            if db is not None:
+                db.close()
+            raise
+        except sqlite3.DatabaseError as err:
+            if db is not None:
+                db.close()
+            raise damaged(path, err) from None
         except (OSError, sqlite3.Error) as err:
+            if db is not None:
+                db.close()
             raise StorageError(f"cannot open the database {path}: {err}") from None
-        return cls(db)
+        return cls(db, path)
 
     def close(self) -> None:
         self.db.close()
@@ -109,13 +135,27 @@ class Store:
         return self.get(name)
 
     def get(self, name: str) -> Conversation:
-        row = self.db.execute(
+        rows = self._rows(
             "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
             " FROM conversations"
-            " WHERE name = ?", (name,)).fetchone()
+            " WHERE name = ?", (name,))
+        row = rows[0] if rows else None
         if row is None:
             raise ConversationNotFound(f"no conversation named {name!r} (see `localchat list`)")
         return Conversation(*row)
+
+    def by_id(self, conv: Conversation) -> Conversation | None:
+        """``conv`` as stored now (renamed, changed by another process), or None when it was
+        deleted. Ids can be reused after a delete; the creation time tells them apart."""
+        rows = self._rows(
+            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            " FROM conversations WHERE id = ?", (conv.id,))
+        return Conversation(*rows[0]) if rows and rows[0][4] == conv.created else None
+
+    def changes(self) -> int:
+        """A number that changes when another connection commits (SQLite's data_version):
+        a cheap poll for what other processes did."""
+        return self._rows("PRAGMA data_version")[0][0]
 
     def find(self, name: str) -> Conversation | None:
         try:
@@ -124,10 +164,10 @@ class Store:
             return None
 
     def list(self) -> list[Conversation]:
-        rows = self.db.execute(
+        rows = self._rows(
             "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
             " FROM conversations"
-            " ORDER BY updated DESC, id DESC").fetchall()
+            " ORDER BY updated DESC, id DESC")
         return [Conversation(*r) for r in rows]
 
     def update(self, conv: Conversation, **fields) -> Conversation:
@@ -157,9 +197,9 @@ class Store:
     # -- messages --------------------------------------------------------------------------
 
     def messages(self, conv: Conversation) -> list[Message]:
-        rows = self.db.execute(
+        rows = self._rows(
             "SELECT id, seq, role, content, partial, created FROM messages"
-            " WHERE conversation_id = ? ORDER BY seq", (conv.id,)).fetchall()
+            " WHERE conversation_id = ? ORDER BY seq", (conv.id,))
         return [Message(r[0], r[1], r[2], r[3], bool(r[4]), r[5]) for r in rows]
 
     def add_message(self, conv: Conversation, role: str, content: str,
@@ -202,12 +242,22 @@ class Store:
 
     # -- plumbing --------------------------------------------------------------------------
 
+    def _rows(self, sql: str, args: tuple = ()) -> list[tuple]:
+        try:
+            return self.db.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as err:
+            raise damaged(self.path, err) from None
+
     def _write(self, sql: str, args: tuple) -> None:
         try:
             with self._tx():
                 self.db.execute(sql, args)
         except sqlite3.IntegrityError:
             raise
+        except sqlite3.DatabaseError as err:
+            if _is_damage(err):
+                raise damaged(self.path, err) from None
+            raise StorageError(f"cannot write the database: {err}") from None
         except sqlite3.Error as err:
             raise StorageError(f"cannot write the database: {err}") from None
 
@@ -218,8 +268,9 @@ class Store:
 class _Transaction:
     """BEGIN IMMEDIATE … COMMIT, rolled back on any error (autocommit connection)."""
 
-    def __init__(self, db: sqlite3.Connection):
+    def __init__(self, db: sqlite3.Connection, path: Path | None = None):
         self.db = db
+        self.path = path
 
     def __enter__(self):
         self.db.execute("BEGIN IMMEDIATE")
@@ -227,6 +278,62 @@ class _Transaction:
     def __exit__(self, exc_type, exc, tb):
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
         return False
+
+
+def damaged(path: Path | None, err: sqlite3.Error) -> StorageError:
+    """The one line for a database file that is damaged or not localchat's."""
+    where = path or "the database"
+    return StorageError(f"{where} is damaged ({err}): move it aside and localchat starts a "
+                        f"new one; `sqlite3 {where} .recover` may save its messages")
+
+
+def _is_damage(err: sqlite3.DatabaseError) -> bool:
+    text = str(err).lower()
+    return "malformed" in text or "not a database" in text or "corrupt" in text
+
+
+_EXPECTED: dict[str, set[str]] = {}
+
+
+def expected_tables() -> dict[str, set[str]]:
+    """Table -> columns, as the migrations make them (read from a database made in memory)."""
+    if not _EXPECTED:
+        db = sqlite3.connect(":memory:", isolation_level=None)
+        migrate(db)
+        for (table,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"):
+            _EXPECTED[table] = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+        db.close()
+    return _EXPECTED
+
+
+def check_schema(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse a file that is not this program's database (nothing is written to it).
+
+    Raises:
+        StorageError: another program's database, a newer localchat's, or tables that are
+            not the ones the migrations make; sqlite3.DatabaseError for a file that is not
+            SQLite at all.
+    """
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if version > len(MIGRATIONS):
+        raise StorageError(f"{path} was made by a newer localchat (schema {version}, this one "
+                           f"knows {len(MIGRATIONS)}): upgrade localchat, or set "
+                           "LOCALCHAT_HOME to another folder")
+    if version == 0:
+        if tables:
+            raise StorageError(f"{path} is not a localchat database (it holds "
+                               f"{', '.join(sorted(tables)[:3])}): move it aside, or set "
+                               "LOCALCHAT_HOME to another folder")
+        return
+    if version < len(MIGRATIONS):
+        return  # checked again once migrated
+    for table, columns in expected_tables().items():
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+        if not columns <= have:
+            raise StorageError(f"{path} is damaged (table {table} lacks "
+                               f"{', '.join(sorted(columns - have))}): move it aside and "
+                               "localchat starts a new one")
 
 
 def migrate(db: sqlite3.Connection) -> int:

@@ -11,6 +11,10 @@ from localchat import backend  # noqa: E402
 
 backend.prepare()  # as the app does, before anything imports mlx.core
 
+from localchat import paths  # noqa: E402
+
+paths.keep_private()  # as every entry point does: what the tests create is owner-only
+
 from tiny import build_tiny_model  # noqa: E402
 
 

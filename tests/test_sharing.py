@@ -85,7 +85,9 @@ def test_thirty_conversations_under_a_small_limit(home, store, engine, monkeypat
         assert len(before) == 2
         got, notes = run_turn(fresh(store, engine), conv, "And then?")
         ref = full_prefill(store, engine, conv, "And then?", before)
-        assert got.tokens == ref.tokens and notes in ([], ["cache rebuilt: no cache on disk"])
+        # (an evicted cache is rebuilt, perhaps from a prefix another conversation shares)
+        assert got.tokens == ref.tokens and len(notes) <= 1
+        assert all(n.startswith("cache rebuilt: no cache on disk") for n in notes)
 
 
 def test_cache_prune_frees_space_and_keeps_messages(home, store, engine, capsys):

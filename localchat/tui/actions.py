@@ -11,6 +11,7 @@ from textual.app import SystemCommand
 from textual.screen import Screen
 
 from ..errors import LocalchatError
+from ..fmt import visible
 from ..models import DEFAULT_MODEL, list_local
 from ..session import delete_conversation, fork_conversation
 from .composer import Composer
@@ -65,7 +66,9 @@ class Actions:
             return
 
         def done(name: str | None) -> None:
-            if name and name.strip() and name != self.current.name:
+            # The dialog showed the name as drawn (``fmt.visible``): unchanged is no rename.
+            if name and name.strip() and name not in (self.current.name,
+                                                      visible(self.current.name)):
                 try:
                     self.current = self.store.update(self.current, name=name.strip())
                 except LocalchatError as err:
@@ -123,7 +126,7 @@ class Actions:
             return
 
         def done(text: str | None) -> None:
-            if text is not None:
+            if text is not None and text != visible(self.current.system or ""):
                 self.current = self.store.update(self.current, system=text.strip() or None)
                 self.notify("system prompt set" if text.strip() else "system prompt cleared")
                 self.schedule_draft()  # the draft now follows another system prompt

@@ -5,13 +5,24 @@ a model, every turn, the draft prefill of the unsent message) runs on one thread
 (``mlxthread.py``), one job at a time; the workers post messages (``messages.py``) and this
 thread renders them. Run it with ``localchat`` or
 ``localchat chat [-c NAME] [-m MODEL]``.
+
+Other processes (``ask``, ``rm``, another app) may change the conversations while the app
+runs: it polls the database's change counter every second and follows a rename, shows new
+messages, and opens another conversation with a notice when the open one was deleted; a turn
+re-reads its conversation under the conversation's lock and never writes into a deleted one.
+
+A bug (an unexpected exception) ends the app with the terminal given back, the unsent
+message kept for the next start (``crashlog.save_unsent``), the traceback in a log file and
+one line naming it; exit status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from textual import on, work
 from textual.app import App, ComposeResult
@@ -20,10 +31,11 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
-from .. import paths
+from .. import crashlog, paths
 from ..engine import Engine
 from ..errors import LocalchatError
 from ..events import Notice, PrefillProgress, ReplyChunk, TurnFinished
+from ..fmt import visible
 from ..models import DEFAULT_MODEL
 from ..session import (
     Cancel,
@@ -105,6 +117,16 @@ class LocalchatApp(Actions, App):
         # All MLX work runs on this one thread, one job at a time: a draft still finishing
         # its chunk when Enter comes (or a model loads) is waited for, never run beside.
         self.mlx = MLXThread()
+        self.crash_log: Path | None = None  # set when a bug ended the app
+        self.crashed: BaseException | None = None
+        self._seen_changes: int | None = None  # the database's change counter, last polled
+
+    def notify(self, message: str, *, title: str = "", severity="information",
+               timeout: float | None = None, markup: bool = False) -> None:
+        """Textual's notify with markup off: notices and errors quote names, paths and
+        model output, which are shown as they are (``fmt.visible``)."""
+        super().notify(visible(message), title=visible(title), severity=severity,
+                       timeout=timeout, markup=markup)
 
     # -- layout ----------------------------------------------------------------------------
 
@@ -114,7 +136,7 @@ class LocalchatApp(Actions, App):
             with Vertical(id="right"):
                 yield ChatView(id="chat")
                 yield Composer(id="composer")
-                yield Label("", id="draft")
+                yield Label("", id="draft", markup=False)
         yield StatusBar(id="status")
         yield Footer()
 
@@ -124,6 +146,8 @@ class LocalchatApp(Actions, App):
         except LocalchatError as err:
             self.notify(str(err), severity="error", timeout=30)
             return
+        if notice := paths.privacy_notice():
+            self.notify(notice, severity="warning", timeout=20)
         conv = None
         if self.want_conversation:
             conv = self.store.find(self.want_conversation) or self.store.create(
@@ -135,13 +159,53 @@ class LocalchatApp(Actions, App):
         if self.want_model and conv.model != self.want_model:
             conv = self.store.update(conv, model=self.want_model)
         self.open_conversation(conv)
-        self.query_one(Composer).focus()
+        composer = self.query_one(Composer)
+        composer.focus()
+        if unsent := crashlog.take_unsent():
+            composer.text = unsent[1]
+            self.notify("the message you had not sent when localchat stopped is back in the "
+                        "message box", timeout=15)
+        self._seen_changes = self.store.changes()
+        self.set_interval(1.0, self.poll_changes)
 
     # -- conversations ---------------------------------------------------------------------
 
     def refresh_sidebar(self) -> None:
         self.query_one(Sidebar).set_conversations(
             self.store.list(), self.current.name if self.current else None)
+
+    def poll_changes(self) -> None:
+        """Follow what other processes wrote since the last poll (one cheap query)."""
+        if self.store is None:
+            return
+        seen = self.store.changes()
+        if seen != self._seen_changes:
+            self._seen_changes = seen
+            if self.sync_current():
+                self.refresh_sidebar()
+
+    def sync_current(self) -> bool:
+        """Bring the open conversation up to what is stored; False when another process
+        deleted it (another conversation is then opened, with a notice)."""
+        if self.current is None or self.store is None:
+            return False
+        fresh = self.store.by_id(self.current)
+        if fresh is None:
+            if self.busy:
+                return False  # the running turn meets it under its lock and says so
+            gone = self.current.name
+            convs = self.store.list()
+            self.open_conversation(convs[0] if convs else self.store.create(
+                self.store.unique_name(), self.current.model))
+            self.notify(f"conversation {gone!r} was deleted by another localchat process",
+                        severity="warning", timeout=15)
+            return False
+        if fresh.name != self.current.name:
+            self.notify(f"conversation {self.current.name!r} was renamed to {fresh.name!r}")
+        self.current = fresh
+        if not self.busy:  # (a streaming reply is not redrawn under the user)
+            self.query_one(ChatView).show(self.store.messages(fresh), keep=True)
+        return True
 
     def open_conversation(self, conv: Conversation) -> None:
         self.current = conv
@@ -161,7 +225,13 @@ class LocalchatApp(Actions, App):
         if self.busy:
             self.notify("wait for the reply to finish (Esc stops it)", severity="warning")
             return
-        self.open_conversation(self.store.get(event.conv.name))
+        conv = self.store.by_id(event.conv)
+        if conv is None:
+            self.notify(f"conversation {event.conv.name!r} was deleted by another localchat "
+                        "process", severity="warning")
+            self.refresh_sidebar()
+            return
+        self.open_conversation(conv)
 
     # -- model -----------------------------------------------------------------------------
 
@@ -232,6 +302,8 @@ class LocalchatApp(Actions, App):
         if self.busy or self.session is None:
             self.notify("the model is busy or not loaded yet", severity="warning")
             return
+        if not self.sync_current():
+            return  # deleted by another process: the text stays in the message box
         text = event.text
         kind = "edit" if self.editing else "send"
         self.editing = False
@@ -267,7 +339,6 @@ class LocalchatApp(Actions, App):
         session = self.session
         options = TurnOptions(max_tokens=self.max_tokens)
         try:
-            conv = session.store.get(conv.name)
             if kind == "regenerate":
                 events = session.regenerate(conv, options, cancel)
             elif kind == "edit":
@@ -310,8 +381,8 @@ class LocalchatApp(Actions, App):
                 await replies.last().append("\n\n_(stopped)_")
         self.busy = False
         self.query_one(StatusBar).show_usage(msg.usage)
-        self.current = self.store.get(self.current.name)
-        self.refresh_sidebar()
+        if self.sync_current():
+            self.refresh_sidebar()
         self.schedule_draft()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
@@ -320,6 +391,7 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).activity = ""
         self.notify(msg.text, severity="error", timeout=15)
         # Show what is stored, and give an unsent message back to the composer.
+        self.sync_current()
         stored = self.store.messages(self.current)
         self.query_one(ChatView).show(stored)
         if msg.prompt and not (stored and stored[-1].role == "user"
@@ -373,7 +445,9 @@ class LocalchatApp(Actions, App):
             return  # typed on or sent while this job waited
         session = self.session
         try:
-            conv = session.store.get(conv.name)
+            conv = session.store.by_id(conv)
+            if conv is None:
+                return  # deleted by another process; the app notices on its next poll
             for progress in session.prefill_draft(conv, text, cancel):
                 self.post_message(DraftAdvanced(progress, cancel))
         except LocalchatError:
@@ -406,6 +480,27 @@ class LocalchatApp(Actions, App):
         label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
 
 
+
+    # -- a bug: keep the unsent message, log the traceback, give the terminal back ----------
+
+    def _handle_exception(self, error: Exception) -> None:
+        """Textual's last resort (it exits the app with status 1 and prints the traceback
+        once the terminal is back); here the traceback goes to a log instead (``run_app``
+        prints one line) and the message box is kept for the next start."""
+        if self.crashed is None:
+            self.crashed = error
+            try:
+                text = self.query_one(Composer).text
+            except Exception:  # noqa: BLE001 - the screen may be half torn down; keep going
+                text = ""
+            crashlog.save_unsent(self.current.name if self.current else None, text)
+            self.crash_log = crashlog.write(error, "the chat app")
+        super()._handle_exception(error)
+
+    def _print_error_renderables(self) -> None:
+        if self.crashed is not None and not crashlog.debug():
+            self._exit_renderables.clear()  # ``run_app`` says it in one line
+        super()._print_error_renderables()
 
     async def action_quit(self) -> None:
         """Quit; a reply in progress is stopped first, so its partial text is saved.
@@ -443,14 +538,24 @@ def run_app(conversation: str | None = None, model: str | None = None,
 
         group.on_lost.append(lost)
         asyncio.run(run())
+        crashed(app)
         if app.lost:
-            import os
-
             from ..launch import write_stderr
 
             group.exiting = True
             write_stderr(f"localchat: error: {app.lost}\n")
             os._exit(1)  # the MLX thread may be blocked in a collective for good
-        return 0
+        return 1 if app.crashed else 0
     app.run()
-    return 0
+    return 1 if crashed(app) else 0
+
+
+def crashed(app: LocalchatApp) -> bool:
+    """After the app: one line when a bug ended it (the terminal is back by now)."""
+    if app.crashed is None:
+        return False
+    kept = " Your unsent message will be back in the message box." if os.path.exists(
+        paths.data_home() / crashlog.UNSENT) else ""
+    print(f"localchat: error: {crashlog.one_line(app.crashed, app.crash_log)}.{kept}",
+          file=sys.stderr)
+    return True

@@ -1,5 +1,9 @@
 """The conversation: user messages as plain text, replies as streamed Markdown.
 
+Text is shown literally: a user's message is never parsed as markup (``a[i]``, ``[/b]`` and
+``[red]`` stay as typed), and control characters from either side are drawn as their
+pictures (``fmt.visible``), never sent to the terminal.
+
 The view is anchored while a reply streams: it follows new text only while the user stays at
 the bottom (Textual's ``anchor``); scrolling up releases it.
 """
@@ -9,19 +13,35 @@ from __future__ import annotations
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
 
+from ..fmt import visible
 from ..store import Message
 
 
 class UserMessage(Static):
-    pass
+    def __init__(self, text: str):
+        super().__init__(visible(text), markup=False)
 
 
 class AssistantMessage(Markdown):
-    pass
+    """A reply: Markdown (its own syntax, never Rich markup), control characters visible."""
+
+    def __init__(self, text: str = ""):
+        super().__init__(visible(text))
+
+    async def append(self, markdown: str):
+        return await super().append(visible(markdown))
 
 
 class ChatView(VerticalScroll):
-    def show(self, messages: list[Message]) -> None:
+    shown: tuple = ()  # what ``show`` drew last
+
+    def show(self, messages: list[Message], keep: bool = False) -> None:
+        """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
+        what it shows already."""
+        drawn = tuple((m.seq, m.role, m.content, m.partial) for m in messages)
+        if keep and drawn == self.shown:
+            return
+        self.shown = drawn
         self.remove_children()
         for m in messages:
             if m.role == "user":
@@ -32,6 +52,7 @@ class ChatView(VerticalScroll):
         self.scroll_end(animate=False)
 
     def add_user(self, text: str) -> None:
+        self.shown = ()  # no longer what ``show`` drew
         self.mount(UserMessage(text))
 
     def add_reply(self) -> AssistantMessage:

@@ -1,4 +1,5 @@
-"""Modal screens: confirm, ask for a line of text, pick a model, help."""
+"""Modal screens: confirm, ask for a line of text, pick a model, help. What they show of
+conversations and models (names, a system prompt) is literal text, never markup."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Markdown, OptionList
+
+from ..fmt import visible
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -17,7 +20,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.question)
+            yield Label(visible(self.question), markup=False)
             with Horizontal():
                 yield Button("Delete", variant="error", id="yes")
                 yield Button("Cancel", id="no")
@@ -38,8 +41,8 @@ class TextScreen(ModalScreen[str | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
-            yield Label(self.title_text)
-            yield Input(value=self.value, id="value")
+            yield Label(visible(self.title_text), markup=False)
+            yield Input(value=visible(self.value), id="value")
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.dismiss(event.value)
@@ -55,7 +58,7 @@ class ModelScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog"):
             yield Label("Model for this conversation (Enter to pick, Esc to cancel)")
-            yield OptionList(*self.names, id="models")
+            yield OptionList(*map(visible, self.names), id="models", markup=False)
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
         self.dismiss(self.names[event.option_index])

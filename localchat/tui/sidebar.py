@@ -1,4 +1,5 @@
-"""The conversations sidebar: a filter box over a list, most recent first."""
+"""The conversations sidebar: a filter box over a list, most recent first. Names are shown
+literally (never markup; control characters as their pictures)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
+from ..fmt import visible
 from ..store import Conversation
 
 
 class ConversationItem(ListItem):
     def __init__(self, conv: Conversation):
-        super().__init__(Label(conv.name))
+        super().__init__(Label(visible(conv.name), markup=False))
         self.conv = conv
 
 

@@ -10,7 +10,7 @@ from textual.reactive import reactive
 from textual.widgets import Static
 
 from ..events import DraftProgress, Usage
-from ..fmt import human_bytes
+from ..fmt import human_bytes, visible
 
 
 def describe(usage: Usage) -> str:
@@ -41,12 +41,17 @@ def describe_draft(p: DraftProgress) -> str:
 
 
 class StatusBar(Static):
+    """Model names and miss reasons come from files and people: drawn literally."""
+
     model: reactive[str] = reactive("loading model…")
     context: reactive[tuple[int, int]] = reactive((0, 0))
     last_turn: reactive[str] = reactive("")
     activity: reactive[str] = reactive("")  # prefill progress, model set-up
     draft: reactive[str] = reactive("")  # the unsent message's prefill (describe_draft)
     usage: Usage | None = None  # the last turn's figures (what ``last_turn`` shows)
+
+    def __init__(self, **kw):
+        super().__init__(markup=False, **kw)
 
     def render(self) -> str:
         used, length = self.context
@@ -59,7 +64,7 @@ class StatusBar(Static):
             parts.append(self.activity)
         elif self.last_turn:
             parts.append(self.last_turn)
-        return " · ".join(parts)
+        return visible(" · ".join(parts))
 
     def show_usage(self, usage: Usage) -> None:
         self.usage = usage  # the last turn's figures, as shown
