@@ -39,19 +39,34 @@ class LeafSpec:
     path: str  # "3": layer 3; "3.1": part 1 of layer 3's CacheList
     cls: str  # mlx-lm's class name
     kind: str  # GROWING or BOUNDED
-    k_shape: tuple[int, int] = (0, 0)  # growing: (kv heads, key width)
-    v_shape: tuple[int, int] = (0, 0)  # growing: (kv heads, value width)
+    k_shape: tuple[int, int] = (0, 0)  # attention: (kv heads, key width)
+    v_shape: tuple[int, int] = (0, 0)  # attention: (kv heads, value width)
     window: int = 0  # RotatingKVCache: max_size; ChunkedKVCache: chunk size
+    keep: int = 0  # RotatingKVCache: leading entries never rotated out
+    state: tuple[tuple[int, ...], ...] = ()  # ArraysCache: each array's shape, () if unset
 
     def to_json(self) -> list:
         return [self.path, self.cls, self.kind, list(self.k_shape), list(self.v_shape),
-                self.window]
+                self.window, self.keep, [list(s) for s in self.state]]
 
     @classmethod
     def from_json(cls, v: list) -> LeafSpec:
-        path, name, kind, k, v_, window = v
-        return cls(str(path), str(name), str(kind), (int(k[0]), int(k[1])),
-                   (int(v_[0]), int(v_[1])), int(window))
+        """Raises ValueError on anything but the exact shape ``to_json`` writes."""
+        if type(v) is not list or len(v) != 8:
+            raise ValueError("leaf")
+        path, name, kind, k, v_, window, keep, state = v
+        if not all(type(x) is str for x in (path, name, kind)) or type(state) is not list:
+            raise ValueError("leaf")
+        return cls(path, name, kind, _ints(k, 2), _ints(v_, 2), *_ints([window, keep], 2),
+                   tuple(_ints(s) for s in state))
+
+
+def _ints(v, n: int | None = None) -> tuple[int, ...]:
+    """A JSON list of non-negative ints (bools and floats refused) as a tuple."""
+    if type(v) is not list or (n is not None and len(v) != n) or \
+            not all(type(x) is int and x >= 0 for x in v):
+        raise ValueError("leaf")
+    return tuple(v)
 
 
 @dataclass(frozen=True)
@@ -119,6 +134,11 @@ _KINDS = {"KVCache": GROWING, "ConcatenateKVCache": GROWING, "RotatingKVCache": 
           "ArraysCache": BOUNDED, "ChunkedKVCache": BOUNDED}
 
 
+def kind_named(cls: str) -> str | None:
+    """GROWING, BOUNDED, or None for an mlx-lm cache class name."""
+    return _KINDS.get(cls)
+
+
 def _base_name(obj) -> str | None:
     """The mlx-lm class this object is (exactly, or through our half_stored subclass)."""
     cls = type(obj)
@@ -142,11 +162,13 @@ def spec_of(path: str, obj) -> LeafSpec:
     """A leaf's spec, read from a cache that has taken at least one token."""
     name = _base_name(obj)
     kind = _KINDS[name]
-    if kind == GROWING:
-        k, v = obj.keys, obj.values
-        return LeafSpec(path, name, kind, (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]))
+    if name == "ArraysCache":
+        return LeafSpec(path, name, kind, state=tuple(
+            tuple(a.shape) if a is not None else () for a in obj.cache))
+    k, v = obj.keys, obj.values
     window = getattr(obj, "max_size", None) or getattr(obj, "chunk_size", 0) or 0
-    return LeafSpec(path, name, kind, window=int(window))
+    return LeafSpec(path, name, kind, (k.shape[1], k.shape[3]), (v.shape[1], v.shape[3]),
+                    int(window), int(getattr(obj, "keep", 0)))
 
 
 def describe_mix(specs: list[LeafSpec], layers: int) -> str:

@@ -1,18 +1,58 @@
-"""The KV cache's on-disk format (version 2): what a manifest holds, how it is read and
+"""The KV cache's on-disk format (version 3): what a manifest holds, how it is read and
 checked, and the safetensors reader. ``kvstore.py`` writes and reads conversation folders in
 this format (its docstring describes the folder); this module does no I/O of its own.
+
+A manifest is trusted only after three checks, all before any array is read:
+
+1. its own checksum: the file is ``{"checksum":"HEX",`` followed by the canonical JSON
+   (sorted keys, no spaces) of every other field without its opening brace, and HEX is the
+   SHA-256 of that JSON (``seal``): one changed byte anywhere is "damaged manifest". Hashing
+   the bytes as read costs ~0.03 ms for a 4k-token manifest; re-serializing them would
+   cost ~0.7 ms;
+2. its schema: every field present, of its exact type (ints are ints: no bools, floats or
+   NaN), in range, file names plain ``seg-NNNNNN.safetensors`` / ``ckpt-NNNNNN.safetensors``
+   (never a path: a manifest cannot make localchat read or delete outside its folder),
+   segments tiling [0, len(tokens)), checkpoints at increasing positions in [1, len(tokens)];
+3. its layout (``Layout``, the model's): every checkpoint holds one state per bounded leaf
+   with exactly that leaf kind's fields, consistent with its position (a sliding window's
+   offset is the position, its write index within the window, …) and with the leaf's shapes.
+
+Loading a segment or checkpoint checks its size and CRC-32, then every array's name, shape
+and dtype against the layout. A checkpoint file also holds its own manifest entry (position,
+fields, dtypes: ``ENTRY``), because some of them cannot be derived from its arrays (where a
+recurrent state was taken, where a window writes next): an entry paired with another state
+is refused. Anything off raises ``CacheInvalid`` with a short reason; the caller rebuilds.
+
+Version 2 manifests (no checksum, looser checks) are not read: "cache rebuilt: cache format
+version 2 (this localchat reads 3)", then a full prefill writes version 3. It costs one
+prefill; a version-2 file could not prove it was undamaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
-from .cachekinds import KVQuant, LeafSpec
+from .cachekinds import BOUNDED, KVQuant, LeafSpec, kind_named
 
 FORMAT = "localchat-kv"
-VERSION = 2
+VERSION = 3
 MANIFEST = "manifest.json"
+ENTRY = "entry"  # a checkpoint file's copy of its manifest entry (UTF-8 JSON, uint8)
+DTYPES = ("float16", "bfloat16", "float32")  # K/V and states, in memory and stored
+MAX_TOKEN = 2**31  # no vocabulary is larger; token ids go to MLX as int32
+_FIELDS = {"format", "version", "checksum", "fingerprint", "dtype", "kv_bits", "kv_group",
+           "leaves", "segments", "checkpoints", "tokens"}
+_SEGMENT = {"file", "start", "end", "crc32", "nbytes"}
+_CHECKPOINT = {"file", "pos", "crc32", "nbytes", "meta", "arrays"}
+_NAME = {"seg": re.compile(r"seg-[0-9]{6,9}\.safetensors"),
+         "ckpt": re.compile(r"ckpt-[0-9]{6,9}\.safetensors")}
+# Each bounded leaf kind's non-array fields (``cachekinds.capture``) and array names.
+_META = {"RotatingKVCache": {"offset", "keep", "max_size", "idx"},
+         "ChunkedKVCache": {"offset", "chunk_size", "start_position"},
+         "ArraysCache": {"size"}}
 
 
 class CacheInvalid(Exception):
@@ -26,6 +66,15 @@ class CacheInvalid(Exception):
         self.usable = usable
 
 
+def checksum(obj) -> str:
+    """SHA-256 (hex) of ``obj``'s canonical JSON: sorted keys, no spaces, ASCII."""
+    return hashlib.sha256(canonical(obj)).hexdigest()
+
+
+def canonical(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
 @dataclass(frozen=True)
 class Layout:
     """What a cache must match to be reused: the model and settings, and every leaf."""
@@ -35,6 +84,9 @@ class Layout:
     leaves: tuple[LeafSpec, ...]
     kv_bits: int = 0  # 8 or 4: growing K/V stored quantized (cachekinds.KVQuant); 0: not
     kv_group: int = 0
+    # Token ids must be below this (the model's vocabulary; 0: unknown, MAX_TOKEN applies).
+    # Not stored: the fingerprint already names the model.
+    vocab: int = field(default=0, compare=False)
 
     @property
     def quant(self) -> KVQuant | None:
@@ -45,8 +97,12 @@ class Layout:
         return [s for s in self.leaves if s.kind == "growing"]
 
     @property
+    def bounded(self) -> list[LeafSpec]:
+        return [s for s in self.leaves if s.kind == BOUNDED]
+
+    @property
     def has_bounded(self) -> bool:
-        return any(s.kind == "bounded" for s in self.leaves)
+        return any(s.kind == BOUNDED for s in self.leaves)
 
 
 @dataclass(frozen=True)
@@ -66,15 +122,21 @@ class Checkpoint:
     nbytes: int
     meta: tuple[dict, ...]  # per bounded leaf: its non-array fields
     arrays: tuple[dict, ...]  # per bounded leaf: array name -> in-memory dtype
+    # The layout it was validated against (set when read from a manifest): what its arrays'
+    # shapes and dtypes are checked against when it is loaded.
+    layout: Layout | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict:
         return {"file": self.file, "pos": self.pos, "crc32": self.crc32, "nbytes": self.nbytes,
                 "meta": list(self.meta), "arrays": list(self.arrays)}
 
-    @classmethod
-    def from_json(cls, d: dict) -> Checkpoint:
-        return cls(str(d["file"]), int(d["pos"]), int(d["crc32"]), int(d["nbytes"]),
-                   tuple(dict(m) for m in d["meta"]), tuple(dict(a) for a in d["arrays"]))
+    def entry(self) -> bytes:
+        """What the checkpoint file holds as ``ENTRY``."""
+        return entry_bytes(self.pos, self.meta, self.arrays)
+
+    def shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """Per bounded leaf, array name -> the shape it must have (needs ``layout``)."""
+        return [_shapes(spec, meta) for spec, meta in zip(self.layout.bounded, self.meta)]
 
 
 @dataclass(frozen=True)
@@ -86,7 +148,7 @@ class Manifest:
 
     def to_json(self) -> str:
         lay = self.layout
-        return json.dumps({
+        body = {
             "format": FORMAT,
             "version": VERSION,
             "fingerprint": lay.fingerprint,
@@ -97,41 +159,187 @@ class Manifest:
             "segments": [s.__dict__ for s in self.segments],
             "checkpoints": [c.to_json() for c in self.checkpoints],
             "tokens": self.tokens,
-        })
+        }
+        return seal(body)
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        """Parse and check a manifest (checksum, schema, consistency with its own layout).
+
+        Raises:
+            CacheInvalid: with the first thing found wrong.
+        """
         try:
-            d = json.loads(text)
-            if d.get("format") != FORMAT:
-                raise CacheInvalid("not a localchat cache")
-            if d.get("version") != VERSION:
-                raise CacheInvalid(f"cache format version {d.get('version')} is not {VERSION}")
-            layout = Layout(str(d["fingerprint"]), str(d["dtype"]),
-                            tuple(LeafSpec.from_json(v) for v in d["leaves"]),
-                            int(d["kv_bits"]), int(d["kv_group"]))
-            segs = [Segment(**s) for s in d["segments"]]
-            ckpts = [Checkpoint.from_json(c) for c in d["checkpoints"]]
-            tokens = [int(t) for t in d["tokens"]]
-        except CacheInvalid:
-            raise
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
-            raise CacheInvalid(f"damaged manifest ({type(err).__name__})") from None
-        pos = 0
-        for s in segs:
-            if s.start != pos or s.end <= s.start:
-                raise CacheInvalid("damaged manifest (segments do not tile)")
-            pos = s.end
-        if layout.growing and pos != len(tokens):
-            raise CacheInvalid("damaged manifest (token count differs from segments)")
-        if any(not 0 < c.pos <= len(tokens) for c in ckpts):
-            raise CacheInvalid("damaged manifest (checkpoint past the tokens)")
-        return cls(layout, tokens, segs, ckpts)
+            d = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            raise CacheInvalid("damaged manifest (not JSON)") from None
+        if type(d) is not dict or d.get("format") != FORMAT:
+            raise CacheInvalid("not a localchat cache")
+        version = d.get("version")
+        if version != VERSION or type(version) is not int:
+            shown = version if type(version) is int else "unknown"
+            raise CacheInvalid(f"cache format version {shown} (this localchat reads {VERSION})")
+        if not _sealed(text):
+            raise CacheInvalid("damaged manifest (checksum)")
+        if d.keys() != _FIELDS:
+            raise CacheInvalid("damaged manifest (fields)")
+        try:
+            return _parse(d)
+        except (ValueError, TypeError) as err:
+            raise CacheInvalid(f"damaged manifest ({err})") from None
 
     def checkpoint_at_most(self, k: int) -> Checkpoint | None:
         """The latest checkpoint at a position ≤ k."""
         fits = [c for c in self.checkpoints if c.pos <= k]
         return max(fits, key=lambda c: c.pos) if fits else None
+
+
+def entry_bytes(pos: int, meta, arrays) -> bytes:
+    """A checkpoint's position, fields and dtypes as its file holds them (``ENTRY``)."""
+    return canonical({"pos": pos, "meta": list(meta), "arrays": list(arrays)})
+
+
+_HEAD = '{"checksum":"'
+
+
+def seal(body: dict) -> str:
+    """``body`` (no ``checksum``) as manifest text: its checksum first, then the rest."""
+    rest = canonical(body)
+    return f'{_HEAD}{hashlib.sha256(rest).hexdigest()}",{rest[1:].decode()}'
+
+
+def _sealed(text: str) -> bool:
+    """Whether ``text`` is ``seal``'s output: the checksum matches the bytes after it."""
+    n = len(_HEAD)
+    if not text.startswith(_HEAD) or text[n + 64 : n + 66] != '",':
+        return False
+    rest = ("{" + text[n + 66 :]).encode()
+    return hashlib.sha256(rest).hexdigest() == text[n : n + 64]
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} in JSON")
+
+
+def _int(v, what: str, lo: int = 0, hi: int | None = None) -> int:
+    """``v`` if it is an int (not a bool) in [lo, hi]; else ValueError naming ``what``."""
+    if type(v) is not int or v < lo or (hi is not None and v > hi):
+        raise ValueError(what)
+    return v
+
+
+def _parse(d: dict) -> Manifest:
+    """The manifest of a dict that passed its checksum, every field checked.
+
+    Raises ValueError naming the field that is wrong."""
+    if type(d["fingerprint"]) is not str or not d["fingerprint"]:
+        raise ValueError("fingerprint")
+    if d["dtype"] not in DTYPES:
+        raise ValueError("dtype")
+    bits, group = d["kv_bits"], d["kv_group"]
+    if type(bits) is not int or type(group) is not int or (bits, group) != (0, 0) and (
+            bits not in (4, 8) or group not in (32, 64, 128)):
+        raise ValueError("kv_bits")
+    if type(d["leaves"]) is not list or not d["leaves"]:
+        raise ValueError("leaves")
+    leaves = tuple(LeafSpec.from_json(v) for v in d["leaves"])
+    if len({s.path for s in leaves}) != len(leaves) or any(
+            kind_named(s.cls) != s.kind for s in leaves):
+        raise ValueError("leaves")
+    layout = Layout(d["fingerprint"], d["dtype"], leaves, bits, group)
+
+    tokens = d["tokens"]
+    if type(tokens) is not list or set(map(type, tokens)) - {int} or (
+            tokens and not 0 <= min(tokens) <= max(tokens) < MAX_TOKEN):
+        raise ValueError("tokens")
+    n = len(tokens)
+
+    segs, pos = [], 0
+    for s in _entries(d["segments"], _SEGMENT, "segments"):
+        if _int(s["start"], "segments") != pos:
+            raise ValueError("segments do not tile")
+        _int(s["end"], "segments do not tile", pos + 1, n)
+        segs.append(Segment(_name(s["file"], "seg"), pos, s["end"],
+                            _int(s["crc32"], "crc32", 0, 2**32 - 1),
+                            _int(s["nbytes"], "nbytes", 1)))
+        pos = s["end"]
+    if pos != (n if layout.growing else 0):
+        raise ValueError("segments do not cover the tokens")
+
+    ckpts, last = [], 0
+    for c in _entries(d["checkpoints"], _CHECKPOINT, "checkpoints"):
+        p = _int(c["pos"], "checkpoint position", last + 1, n)
+        meta, arrays = c["meta"], c["arrays"]
+        bounded = layout.bounded
+        if type(meta) is not list or type(arrays) is not list or \
+                not len(meta) == len(arrays) == len(bounded) or not bounded:
+            raise ValueError("checkpoint leaves")
+        for spec, m, a in zip(bounded, meta, arrays):
+            _check_state(spec, m, a, p, layout.dtype)
+        ckpts.append(Checkpoint(_name(c["file"], "ckpt"), p,
+                                _int(c["crc32"], "crc32", 0, 2**32 - 1),
+                                _int(c["nbytes"], "nbytes", 1), tuple(meta), tuple(arrays),
+                                layout))
+        last = p
+    files = [s.file for s in segs] + [c.file for c in ckpts]
+    if len(set(files)) != len(files):
+        raise ValueError("a file named twice")
+    return Manifest(layout, tokens, segs, ckpts)
+
+
+def _entries(v, keys: set[str], what: str) -> list[dict]:
+    if type(v) is not list or not all(type(e) is dict and e.keys() == keys for e in v):
+        raise ValueError(what)
+    return v
+
+
+def _name(v, prefix: str) -> str:
+    """A file name as commit writes it: plain, no separator, no '..'."""
+    if type(v) is not str or not _NAME[prefix].fullmatch(v):
+        raise ValueError(f"{prefix} file name")
+    return v
+
+
+def _check_state(spec: LeafSpec, meta, arrays, pos: int, dtype: str) -> None:
+    """One bounded leaf's checkpoint fields, as ``cachekinds.capture`` writes them at ``pos``.
+
+    Raises ValueError."""
+    why = f"checkpoint of leaf {spec.path}"
+    if type(meta) is not dict or meta.keys() != _META.get(spec.cls, {None}):
+        raise ValueError(why)
+    m = {k: _int(v, why) for k, v in meta.items()}
+    if spec.cls == "RotatingKVCache":
+        # Until the window fills, it writes at the end (idx == offset); after, anywhere in it.
+        size = m["max_size"]
+        if m["offset"] != pos or size != spec.window or m["keep"] != spec.keep or \
+                not (m["idx"] == pos if pos < size else spec.keep <= m["idx"] <= size):
+            raise ValueError(why)
+    elif spec.cls == "ChunkedKVCache":
+        if m["offset"] != pos or m["chunk_size"] != spec.window or \
+                not 0 <= pos - m["start_position"] <= spec.window:
+            raise ValueError(why)
+    elif m["size"] != len(spec.state):
+        raise ValueError(why)
+    if type(arrays) is not dict or arrays.keys() != _shapes(spec, m).keys():
+        raise ValueError(why)
+    for name, kind in arrays.items():
+        # K/V are stored in the layout's dtype; float32 in memory where that is float16.
+        ok = (dtype, "float32") if name in ("keys", "values") and dtype == "float16" else \
+            (dtype,) if name in ("keys", "values") else DTYPES
+        if kind not in ok:
+            raise ValueError(why)
+
+
+def _shapes(spec: LeafSpec, meta: dict) -> dict[str, tuple[int, ...]]:
+    """Array name -> shape of a bounded leaf's state (batch 1), from its layout and fields."""
+    if spec.cls == "ArraysCache":
+        return {str(i): s for i, s in enumerate(spec.state) if s}
+    if spec.cls == "RotatingKVCache":
+        n = min(meta["offset"], meta["max_size"])
+    else:  # ChunkedKVCache: positions [start_position, offset)
+        n = meta["offset"] - meta["start_position"]
+    return {"keys": (1, spec.k_shape[0], n, spec.k_shape[1]),
+            "values": (1, spec.v_shape[0], n, spec.v_shape[1])}
 
 
 @dataclass(frozen=True)
@@ -149,26 +357,34 @@ _ST_DTYPES = {"F16": ("float16", "float16"), "F32": ("float32", "float32"),
 
 
 def read_safetensors(data: bytes, name: str) -> dict[str, _Stored]:
-    """Every tensor of a safetensors file's bytes as a numpy view (no second read)."""
+    """Every tensor of a safetensors file's bytes as a numpy view (no second read).
+
+    Raises ``CacheInvalid`` unless the header describes tensors that lie inside the data."""
     import struct
 
     import numpy as np
 
     try:
         (hlen,) = struct.unpack("<Q", data[:8])
+        if hlen > len(data) - 8:
+            raise ValueError
         header = json.loads(data[8 : 8 + hlen])
+        body = len(data) - 8 - hlen
         out = {}
         for key, meta in header.items():
             if key == "__metadata__":
                 continue
             ours, np_dtype = _ST_DTYPES[meta["dtype"]]
             start, end = meta["data_offsets"]
-            shape = tuple(meta["shape"])
-            arr = np.frombuffer(data, dtype=np_dtype, count=(end - start) // np.dtype(
-                np_dtype).itemsize, offset=8 + hlen + start).reshape(shape)
+            shape = tuple(_int(x, "shape") for x in meta["shape"])
+            if not 0 <= _int(start, "offset") <= _int(end, "offset") <= body or \
+                    end - start != int(np.prod(shape)) * np.dtype(np_dtype).itemsize:
+                raise ValueError
+            arr = np.frombuffer(data, dtype=np_dtype, count=int(np.prod(shape)),
+                                offset=8 + hlen + start).reshape(shape)
             out[key] = _Stored(arr, ours, shape)
         return out
-    except (ValueError, KeyError, TypeError, struct.error):
+    except (ValueError, KeyError, TypeError, AttributeError, struct.error):
         raise CacheInvalid(f"{name} unreadable") from None
 
 

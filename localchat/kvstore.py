@@ -1,13 +1,16 @@
 """One conversation's KV cache on disk: append-only segments, checkpoints, and a manifest.
 
-Layout of a conversation folder (format version 2)::
+Layout of a conversation folder (format version 3)::
 
-    manifest.json           format, version, layout, token ids, segments, checkpoints
+    manifest.json           format, version, layout, token ids, segments, checkpoints, and
+                            its own checksum
     seg-000001.safetensors  K and V of positions [a, b) of every growing leaf, sliced exactly:
                             "k.J" [heads, b - a, key width] and "v.J" [heads, b - a, value
                             width] for the J-th growing leaf (widths differ for MLA)
     ckpt-000001.safetensors the bounded leaves' exact state at one token position (sliding
-                            windows, recurrent states); their other fields in the manifest
+                            windows, recurrent states): "I.NAME" per leaf and array; their
+                            other fields in the manifest, and that manifest entry again as
+                            "entry" (so an entry cannot be paired with another state)
 
 Which leaf is which comes from ``cachekinds.py``; the manifest records the model's layout
 (every leaf's class, kind and shapes), so a cache is used only by the model that made it.
@@ -22,12 +25,15 @@ Rules:
   inside the token list are kept.
 - Writes are atomic (temp file, fsync, rename) and the manifest is replaced last, so a crash
   leaves the previous consistent state; stray files from a crash are removed on the next commit.
-- Reading checks format, version, layout, and each file's size and CRC-32; any mismatch raises
-  ``CacheInvalid`` with a short reason, and the caller rebuilds.
-- Version 1 folders (before checkpoints) are not read: "cache rebuilt: format version 1",
-  then a full prefill writes version 2. Only speed is lost; messages live in SQLite.
-- A segment's ``file`` is a path relative to the folder, so segments may later live in a
-  shared, content-addressed pool without another format change.
+- Reading checks the manifest's checksum and every field against the model's layout
+  (``kvformat.py``), then each file's size and CRC-32 and its arrays' names, shapes and
+  dtypes; any mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
+- Folders of older versions (1: before checkpoints, 2: before the manifest's checksum) are
+  not read: "cache rebuilt: cache format version 2 …", then a full prefill writes version 3.
+  Only speed is lost; messages live in SQLite.
+- File names in a manifest are plain names in its folder (``seg-NNNNNN.safetensors``,
+  ``ckpt-NNNNNN.safetensors``); anything else is a damaged manifest, so no manifest makes
+  localchat read, link or delete a file elsewhere.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from pathlib import Path
 from .cachekinds import Captured
 from .files import atomic_write, write_tensors
 from .kvformat import (  # noqa: F401 - the format's names are used through this module too
+    ENTRY,
     FORMAT,
     MANIFEST,
     VERSION,
@@ -49,6 +56,7 @@ from .kvformat import (  # noqa: F401 - the format's names are used through this
     Manifest,
     Segment,
     common_prefix,
+    entry_bytes,
     read_safetensors,
 )
 
@@ -86,6 +94,8 @@ class KVStore:
             raise CacheInvalid("KV cache bits changed")
         if man.layout != layout:
             raise CacheInvalid("cache layout differs from the model")
+        if layout.vocab and man.tokens and max(man.tokens) >= layout.vocab:
+            raise CacheInvalid("damaged manifest (token id past the vocabulary)")
         return man
 
     def _read(self, file: str, crc32: int, nbytes: int) -> bytes:
@@ -184,8 +194,9 @@ class KVStore:
         q = layout.quant
         w, sc, bi = (arrays.get(f"{name}.{x}") for x in "wsb")
         if q is None or w is None or sc is None or bi is None or \
-                w.shape != (heads, n, width * q.bits // 32) or \
-                sc.shape != (heads, n, width // q.group) or bi.shape != sc.shape:
+                w.shape != (heads, n, width * q.bits // 32) or w.dtype_name != "uint32" or \
+                sc.shape != (heads, n, width // q.group) or bi.shape != sc.shape or \
+                sc.dtype_name != "float16" or bi.dtype_name != "float16":
             raise CacheInvalid(f"segment {file} has the wrong shape or dtype")
         deq = mx.dequantize(mx.array(w.array), mx.array(sc.array), mx.array(bi.array),
                             group_size=q.group, bits=q.bits)
@@ -194,18 +205,28 @@ class KVStore:
         return np.array(deq.astype(getattr(mx, target)))
 
     def load_checkpoint(self, ckpt: Checkpoint) -> Captured:
-        """The bounded leaves' state stored in ``ckpt``, in their in-memory dtypes."""
+        """The bounded leaves' state stored in ``ckpt``, in their in-memory dtypes: the file
+        must hold ``ckpt``'s entry, and every array in the shape and dtype its layout says."""
         import mlx.core as mx
 
         data = self._read(ckpt.file, ckpt.crc32, ckpt.nbytes)
         stored = read_safetensors(data, ckpt.file)
+        entry = stored.pop(ENTRY, None)
+        if entry is None or entry.dtype_name != "uint8" or \
+                entry.array.tobytes() != ckpt.entry():
+            raise CacheInvalid(f"checkpoint {ckpt.file} does not match its manifest entry")
+        shapes = ckpt.shapes()
+        if stored.keys() != {f"{i}.{name}" for i, names in enumerate(shapes) for name in names}:
+            raise CacheInvalid(f"checkpoint {ckpt.file} unreadable")
         leaves = []
         for i, names in enumerate(ckpt.arrays):
             arrays = {}
             for name, dtype in names.items():
-                got = stored.get(f"{i}.{name}")
-                if got is None:
-                    raise CacheInvalid(f"checkpoint {ckpt.file} unreadable")
+                got = stored[f"{i}.{name}"]
+                # K/V are stored in the layout's dtype (capture's float32 as float16).
+                kind = ckpt.layout.dtype if name in ("keys", "values") else dtype
+                if got.shape != shapes[i][name] or got.dtype_name != kind:
+                    raise CacheInvalid(f"checkpoint {ckpt.file} has the wrong shape or dtype")
                 arr = mx.array(got.array)
                 if got.dtype_name == "bfloat16":
                     arr = arr.view(mx.bfloat16)
@@ -276,7 +297,7 @@ class KVStore:
         ckpts = {c.pos: c for c in (old.checkpoints if old else []) if c.pos <= k}
         for snap in sorted(new_checkpoints, key=lambda s: s.pos)[-KEEP_CHECKPOINTS:]:
             if 0 < snap.pos <= len(tokens) and snap.pos not in ckpts:
-                ckpts[snap.pos] = self._write_checkpoint(snap, taken)
+                ckpts[snap.pos] = self._write_checkpoint(layout, snap, taken)
                 written += ckpts[snap.pos].nbytes
         kept_ckpts = [ckpts[p] for p in sorted(ckpts)[-KEEP_CHECKPOINTS:]]
         man = Manifest(layout, list(tokens), keep, kept_ckpts)
@@ -355,8 +376,10 @@ class KVStore:
         name, crc, nbytes = write_tensors(into or self.folder, "seg", tensors, taken)
         return Segment(name, seg.start, end, crc, nbytes)
 
-    def _write_checkpoint(self, snap: Captured, taken: set[str]) -> Checkpoint:
+    def _write_checkpoint(self, layout: Layout, snap: Captured, taken: set[str]
+                          ) -> Checkpoint:
         import mlx.core as mx
+        import numpy as np
 
         tensors, names = {}, []
         for i, arrays in enumerate(snap.arrays):
@@ -367,8 +390,10 @@ class KVStore:
                 exact16 = arr.dtype == mx.float32 and name in ("keys", "values")
                 tensors[f"{i}.{name}"] = arr.astype(mx.float16) if exact16 else arr
             names.append(kinds)
+        entry = entry_bytes(snap.pos, snap.meta, names)
+        tensors[ENTRY] = mx.array(np.frombuffer(entry, dtype=np.uint8))
         name, crc, nbytes = write_tensors(self.folder, "ckpt", tensors, taken)
-        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names))
+        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names), layout)
 
     def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():

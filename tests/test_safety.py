@@ -117,16 +117,32 @@ def _missing(folder):
     sorted(folder.glob("seg-*"))[0].unlink()
 
 
-def _foreign(folder):
+def _resealed(folder, **fields):
+    """The manifest with ``fields`` changed and its checksum made right again: what another
+    model or a later localchat would have written."""
+    from localchat.kvformat import seal
+
     man = json.loads((folder / MANIFEST).read_text())
-    man["fingerprint"] = "f" * 32 + "-float16-kv0"
-    (folder / MANIFEST).write_text(json.dumps(man))
+    del man["checksum"]
+    (folder / MANIFEST).write_text(seal({**man, **fields}))
+
+
+def _foreign(folder):
+    _resealed(folder, fingerprint="f" * 32 + "-float16-kv0")
 
 
 def _future(folder):
-    man = json.loads((folder / MANIFEST).read_text())
-    man["version"] = 99
-    (folder / MANIFEST).write_text(json.dumps(man))
+    _resealed(folder, version=99)
+
+
+def _one_digit(folder):
+    """The last segment's end one lower, the checksum left as it was: one changed digit."""
+    text = (folder / MANIFEST).read_text()
+    man = json.loads(text)
+    end = man["segments"][-1]["end"]
+    old = f'"end":{end}'
+    assert text.count(old) == 1
+    (folder / MANIFEST).write_text(text.replace(old, f'"end":{end - 1}'))
 
 
 def _garbage_manifest(folder):
@@ -141,6 +157,7 @@ def _half_written(folder):
 @pytest.mark.parametrize("damage, reason", [
     (_truncate, "damaged"), (_flip, "damaged"), (_missing, "missing"),
     (_foreign, "model changed"), (_future, "version 99"), (_garbage_manifest, "manifest"),
+    (_one_digit, "damaged manifest (checksum)"),
     (_half_written, "no cache on disk"),
 ])
 def test_damaged_cache_rebuilds_with_the_same_reply(home, tiny_model, store, engine, damage,
