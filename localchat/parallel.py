@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from .engine import now
+from .errors import LocalchatError
 from .events import Usage
 from .kvstore import common_prefix
 from .prefixes import PrefixPool
@@ -22,19 +23,21 @@ from .session import Session
 
 
 def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
-                   max_tokens: list[int], temp: float) -> Iterable[tuple[str, Usage] | Exception]:
-    """Replies for ``chats`` decoded together; an Exception in place of a line that failed."""
+                   max_tokens: list[int], temp: float
+                   ) -> Iterable[tuple[str, Usage] | LocalchatError]:
+    """Replies for ``chats`` decoded together; the error in place of a line that failed (one
+    that does not fit the context). The chats are checked lines (``batch.py``)."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
     engine = session.engine
-    rendered: list[tuple[list[int], int] | Exception] = []
+    rendered: list[tuple[list[int], int] | LocalchatError] = []
     for chat, limit in zip(chats, max_tokens):
         try:
             rendered.append(session.render_checked(chat, limit))
-        except Exception as err:  # noqa: BLE001 - becomes this line's error record
+        except LocalchatError as err:  # becomes this line's error record
             rendered.append(err)
-    ok = [r for r in rendered if not isinstance(r, Exception)]
+    ok = [r for r in rendered if not isinstance(r, LocalchatError)]
     if not ok:
         return rendered
     _seed_pool(engine, pool, [tokens for tokens, _ in ok])
@@ -52,7 +55,7 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     info = engine.info()
     results, i = [], 0
     for r in rendered:
-        if isinstance(r, Exception):
+        if isinstance(r, LocalchatError):
             results.append(r)
             continue
         tokens, limit = r
