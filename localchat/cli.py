@@ -366,13 +366,13 @@ def cmd_batch(args) -> int:
         if not args.quiet:
             print(f"localchat: line {line}: {text}", file=sys.stderr)
 
-    out = open(out_path, "a" if args.resume else "w", encoding="utf-8") if out_path else sys.stdout
+    out = open_output(out_path, args.resume) if out_path else sys.stdout
     progress = Progress(len(items), enabled=sys.stderr.isatty() and not args.quiet)
     failed = 0
     try:
         for result in run_batch(session, items, options, notice):
             failed += result.error is not None
-            out.write(json.dumps(result.to_json(), ensure_ascii=False) + "\n")
+            out.write(json.dumps(result.to_json(), ensure_ascii=False, allow_nan=False) + "\n")
             out.flush()
             progress.step(result.usage.completion_tokens if result.usage else 0)
     except KeyboardInterrupt:
@@ -387,6 +387,20 @@ def cmd_batch(args) -> int:
     if failed:
         print(f"localchat: {failed} of {len(items)} lines failed", file=sys.stderr)
     return 1 if failed else 0
+
+
+def open_output(path, append: bool):
+    """A results file the user named: created with the user's own umask (not the data
+    folder's owner-only mode); a path that cannot be written is one line."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        new = not os.path.lexists(path)
+        fd = os.open(path, flags, 0o600)
+        if new:  # (the process umask is owner-only: ``paths.keep_private``)
+            os.fchmod(fd, paths.user_mode())
+        return os.fdopen(fd, "w", encoding="utf-8")
+    except OSError as err:
+        raise BadInput(f"cannot write {path}: {err.strerror or err}") from None
 
 
 def cmd_inspect(args) -> int:

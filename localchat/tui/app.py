@@ -426,7 +426,10 @@ class LocalchatApp(Actions, App):
 
     def start_draft(self) -> None:
         self._draft_timer = None
-        text = self.query_one(Composer).text
+        boxes = self.query(Composer)
+        if not boxes:
+            return  # the timer fired while the app closes (its screen is gone)
+        text = boxes.first().text
         # Never beside a reply or a model load (busy), and not for an edit of the last
         # message (the session's draft is a new message after the history).
         if (not self.draft_prefill or self.busy or self.editing or self.session is None
