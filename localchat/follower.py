@@ -1,10 +1,13 @@
 """A follower rank: ``python -m localchat.follower`` (started by ``launch.start``).
 
-It joins the ring, loads its shard of the model, then runs what rank 0 sends over the control
-link (``cluster.py``): the same ``Session`` calls rank 0 makes, on a copy of the conversation's
+It reads this run's control secret from the first line of its stdin, connects to rank 0's
+control link and passes the handshake both ways (it proves its rank, rank 0 proves itself:
+``cluster.handshake_follower``), then joins the ring, loads its shard of the model and runs
+what rank 0 sends: the same ``Session`` calls rank 0 makes, on a copy of the conversation's
 stored messages in an in-memory database, with its own KV cache folder. It has no screen: its
 output goes to ``$LOCALCHAT_HOME/logs/follower-rank<N>.log``, its one-line errors to rank 0.
-It exits when rank 0's link closes, whatever it is doing.
+It exits when rank 0's link closes (or sends what is not a call), whatever it is doing.
+What it is not: something to start by hand; without the secret it stops at once.
 """
 
 from __future__ import annotations
@@ -28,11 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--control", required=True, metavar="HOST:PORT")
     p.add_argument("--model", default=None)
     args = p.parse_args(argv)
-    host, port = args.control.rsplit(":", 1)
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.settimeout(None)
+    secret = sys.stdin.buffer.readline(256).decode(errors="replace").strip() if sys.stdin else ""
+    sock = _connect(args.control, args.rank, secret)
+    if sock is None:
+        return 1
     link = _Link(sock)
-    link.send({"rank": args.rank})
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=link.read_forever, args=(commands,), daemon=True).start()
     threading.Thread(target=link.heartbeat, daemon=True).start()
@@ -58,6 +61,29 @@ def main(argv: list[str] | None = None) -> int:
             # A LocalchatError (bad input, a full context…) is rank 0's to show: it raised
             # the same one at the same point.
         link.send({"op": "done", "seq": msg["seq"], "agreements": session.group.agreements})
+
+
+def _connect(control: str, rank: int, secret: str) -> socket.socket | None:
+    """The control link to rank 0 at ``control`` (HOST:PORT), past the handshake; None after
+    one line to the log (the line rank 0 shows when this process exits) if there is none."""
+    from .cluster import Refused, handshake_follower, hello_timeout, is_secret
+
+    if not is_secret(secret):
+        print("no control secret on stdin (followers are started by rank 0)")
+        return None
+    host, port = control.rsplit(":", 1)
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=30)
+    except (OSError, ValueError) as err:
+        print(f"cannot reach rank 0's control link at {control}: {err}")
+        return None
+    try:
+        handshake_follower(sock, secret, rank, hello_timeout())
+    except Refused as why:
+        sock.close()
+        print(f"control link to {control}: {why}")
+        return None
+    return sock
 
 
 def _join(args):
@@ -107,6 +133,11 @@ def _run(session, msg: dict) -> None:
         pass
 
 
+# Bytes in one call from rank 0: it carries the conversation's stored messages, so it is
+# as long as the longest context (escaped as JSON); the bound only stops a stream without end.
+CALL_MAX = 1 << 28
+
+
 class _Link:
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -129,9 +160,12 @@ class _Link:
     def read_forever(self, commands: queue.Queue) -> None:
         from .cluster import json_lines
 
-        for msg in json_lines(self.sock, 1 << 20):
+        for msg in json_lines(self.sock, CALL_MAX):
+            if not (isinstance(msg.get("op"), str) and type(msg.get("seq")) is int):
+                print("rank 0 sent a message that is not a call", flush=True)
+                os._exit(1)
             commands.put(msg)
-        os._exit(0)  # rank 0 closed the link (or died): nothing left to follow
+        os._exit(0)  # rank 0 closed the link (or died), or sent a garbled line
 
 
 def _one_line(err: BaseException) -> str:

@@ -2,8 +2,11 @@
 
 What it is: rank 0's side of ``cluster.py`` that deals with processes and sockets. ``start``
 spawns ``python -m localchat.follower`` on every other host (a local process for a loopback
-address, ``ssh`` otherwise), waits for each to connect its control link (JSON lines: rank 0's
-calls one way; heartbeats, "done" and one-line errors the other), then joins MLX's ring.
+address, ``ssh`` otherwise) with this run's secret on its stdin, waits for each to connect its
+control link and pass the handshake (``cluster.handshake_rank0``; a stranger is dropped within
+``cluster.HELLO_TIMEOUT_S`` and logged to ``$LOCALCHAT_HOME/logs/control.log``), then joins
+MLX's ring. The link carries JSON lines: rank 0's calls one way; heartbeats, "done" and
+one-line errors the other.
 ``_Watchdog`` ends rank 0 with one line when a follower exits, closes its link or stays
 silent for ``LOCALCHAT_FOLLOWER_TIMEOUT`` seconds. What it is not: the agreements the ranks
 make during a turn (``cluster.Ring``) or the follower's loop (``follower.py``).
@@ -24,7 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import paths
-from .cluster import RING_PORT, ClusterLost, Ring, follower_timeout, join_ring, json_lines
+from .cluster import (
+    RING_PORT,
+    ClusterLost,
+    Refused,
+    Ring,
+    follower_timeout,
+    handshake_rank0,
+    hello_timeout,
+    join_ring,
+    json_lines,
+    new_secret,
+)
 from .errors import BadInput
 
 # -- hosts -----------------------------------------------------------------------------------
@@ -63,6 +77,9 @@ def parse_hosts(hosts: str | None, hostfile: str | None) -> list[Host]:
 
 # -- rank 0: the control links ------------------------------------------------------------
 
+LINK_MAX = 1 << 16  # bytes in one follower message (they are a few dozen)
+_MAX_PENDING = 32  # handshakes at once during start-up; a flood past that is dropped unheard
+
 
 class _Link:
     """Rank 0's end of one follower's control connection (JSON lines both ways)."""
@@ -84,15 +101,18 @@ class _Link:
         threading.Thread(target=self._read, daemon=True, name=f"rank{self.rank}-link").start()
 
     def _read(self) -> None:
-        for msg in json_lines(self.sock):
+        for msg in json_lines(self.sock, LINK_MAX):
+            op, seq, count, text = (msg.get(k) for k in ("op", "seq", "agreements", "text"))
             with self.cond:
                 self.last_seen = time.monotonic()
-                if msg.get("op") == "done":
-                    self.done[msg["seq"]] = msg["agreements"]
-                elif msg.get("op") == "error":
-                    self.error = msg["text"]
-                elif msg.get("op") == "ready":
+                if op == "done" and type(seq) is int and type(count) is int:
+                    self.done[seq] = count
+                elif op == "error" and isinstance(text, str):
+                    self.error = " ".join(text.split())[:500]  # one line, whatever it sent
+                elif op == "ready":
                     self.done[0] = 0
+                elif op != "hb":
+                    break  # not a message this link carries: the follower is broken
                 self.cond.notify_all()
         with self.cond:
             self.closed = True
@@ -165,21 +185,23 @@ def start(hosts: list[Host], shard: str, model: str | None,
     local = all(h.ip in LOOPBACK for h in hosts)
     ports = _free_ports(len(hosts)) if local else [RING_PORT + i for i in range(len(hosts))]
     ring_hosts = json.dumps([[f"{h.ip}:{p}"] for h, p in zip(hosts, ports)])
-    server = socket.create_server(("127.0.0.1" if local else "", 0))
-    control = f"{'127.0.0.1' if local else hosts[0].ip}:{server.getsockname()[1]}"
+    address = "127.0.0.1" if local else hosts[0].ip  # the one the followers connect to
+    server = _listen(address)
+    control = f"{address}:{server.getsockname()[1]}"
     logs = paths.data_home() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    secret = new_secret()
     say(f"starting {len(hosts) - 1} follower(s): {', '.join(h.ip for h in hosts[1:])}")
     links = []
     for rank, host in enumerate(hosts[1:], start=1):
         log = logs / f"follower-rank{rank}.log"
         argv = [sys.executable, "-m", "localchat.follower", "--rank", str(rank),
                 "--shard", shard, "--control", control] + (["--model", model] if model else [])
-        proc = _spawn(host, argv, ring_hosts, rank, log)
+        proc = _spawn(host, argv, ring_hosts, rank, log, secret)
         links.append(_Link(rank, host, proc, log))
     watchdog = _Watchdog(links)
     try:
-        _accept(server, links)
+        _accept(server, links, secret, logs / "control.log")
         os.environ["MLX_RANK"] = "0"
         _quiet_ring_stderr()
         watchdog.arm()
@@ -205,55 +227,118 @@ def shutdown() -> None:
         _current.pop().close()
 
 
-def _spawn(host: Host, argv: list[str], ring_hosts: str, rank: int, log: Path):
+def _spawn(host: Host, argv: list[str], ring_hosts: str, rank: int, log: Path,
+           secret: str) -> subprocess.Popen:
+    """The follower's process (``ssh`` for a remote host); ``secret`` goes to its stdin, the
+    one way in that ``ps`` does not show (argv) and no shell or environment keeps."""
     env = {"MLX_RANK": str(rank), "LOCALCHAT_RING_HOSTS": ring_hosts}
-    out = open(log, "wb")  # noqa: SIM115 - the child keeps it
     if host.ip in LOOPBACK and host.ssh in LOOPBACK | {host.ip}:
-        return subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT,
+        cmd, env = argv, {**os.environ, **env}
+    else:
+        exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+        home = os.environ.get("LOCALCHAT_HOME")
+        if home:
+            exports += f" LOCALCHAT_HOME={shlex.quote(home)}"
+        script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} exec {shlex.join(argv)}"
+        cmd, env = ["ssh", "-o", "BatchMode=yes", host.ssh, script], None
+    with open(log, "wb") as out:  # the child has its own copy
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=out,
+                                stderr=subprocess.STDOUT,
                                 start_new_session=True)  # Ctrl-C in the terminal is rank 0's
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    home = os.environ.get("LOCALCHAT_HOME")
-    if home:
-        exports += f" LOCALCHAT_HOME={shlex.quote(home)}"
-    script = f"cd {shlex.quote(os.getcwd())} 2>/dev/null; {exports} exec {shlex.join(argv)}"
-    return subprocess.Popen(["ssh", "-o", "BatchMode=yes", host.ssh, script],
-                            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    try:
+        proc.stdin.write(f"{secret}\n".encode())
+        proc.stdin.close()
+    except OSError:  # it exited already (ssh could not connect): _accept says how
+        pass
+    return proc
 
 
-def _accept(server: socket.socket, links: list[_Link]) -> None:
-    """Wait for every follower to connect (each says its rank first)."""
-    waiting = {link.rank: link for link in links}
-    server.settimeout(0.2)
+def _listen(address: str) -> socket.socket:
+    """The control server, on ``address`` only (where the followers connect, not every
+    interface)."""
+    try:
+        family = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((address, 0), family=family)
+    except OSError as err:
+        raise BadInput(f"cannot listen on {address}, the first host's address (it must be "
+                       f"this machine's): {err.strerror or err}") from None
+
+
+def _accept(server: socket.socket, links: list[_Link], secret: str, log: Path) -> None:
+    """Wait for every follower to connect and pass the handshake on ``secret``.
+
+    Each connection's handshake has its own thread and deadline, so a stranger that stays
+    silent holds up no one; strangers are dropped and logged to ``log``.
+    """
+    gate = _Gate(links, secret, log)
+    server.settimeout(0.02)  # how soon the last join (on a handshake thread) is noticed
     started = time.monotonic()
-    while waiting:
-        for link in waiting.values():
-            code = link.proc.poll()
-            if code is not None:
+    limit = max(follower_timeout(), 30.0)
+    while left := gate.left():
+        for link in left:
+            if link.proc.poll() is not None:
                 raise ClusterLost(link.problem(follower_timeout()) or "a follower exited")
-        if time.monotonic() - started > max(follower_timeout(), 30.0):
-            first = next(iter(waiting.values()))
-            raise ClusterLost(f"rank {first.rank} ({first.host}) did not connect within "
-                              f"{max(follower_timeout(), 30.0):g} s{first._log_tail()}")
+        if time.monotonic() - started > limit:
+            raise ClusterLost(f"rank {left[0].rank} ({left[0].host}) did not connect within "
+                              f"{limit:g} s{left[0]._log_tail()}")
         try:
-            sock, _ = server.accept()
+            sock, peer = server.accept()
         except TimeoutError:
             continue
-        sock.settimeout(None)
-        hello = b""
-        while not hello.endswith(b"\n"):
-            chunk = sock.recv(1)
-            if not chunk:
-                break
-            hello += chunk
-        try:
-            rank = json.loads(hello)["rank"]
-        except (ValueError, KeyError, TypeError):
+        gate.admit(sock, peer)
+
+
+class _Gate:
+    """Rank 0's side of the control handshake, one thread per connection during start-up."""
+
+    def __init__(self, links: list[_Link], secret: str, log: Path):
+        self.links, self.secret, self.log = links, secret, log
+        self.waiting = {link.rank: link for link in links}  # not claimed by a handshake yet
+        self.lock = threading.Lock()
+        self.pending = 0
+
+    def left(self) -> list[_Link]:
+        """The followers whose link is not attached yet (claimed is not enough: rank 0 must
+        not send on a link before it has its socket)."""
+        return [link for link in self.links if link.sock is None]
+
+    def admit(self, sock: socket.socket, peer: tuple) -> None:
+        """Start ``sock``'s handshake on its own thread (or drop it if too many are open)."""
+        with self.lock:
+            room = self.pending < _MAX_PENDING
+            self.pending += room
+        if not room:
             sock.close()
-            continue
-        if rank in waiting:
-            waiting.pop(rank).attach(sock)
+            self._note(peer, f"refused: more than {_MAX_PENDING} handshakes at once")
+            return
+        threading.Thread(target=self._greet, args=(sock, peer), daemon=True,
+                         name="control-hello").start()
+
+    def _greet(self, sock: socket.socket, peer: tuple) -> None:
+        try:
+            link = handshake_rank0(sock, self.secret, self._claim, hello_timeout())
+        except Refused as why:
+            sock.close()
+            self._note(peer, f"refused: {why}")
+        else:
+            link.attach(sock)
+            self._note(peer, f"rank {link.rank} joined")
+        finally:
+            with self.lock:
+                self.pending -= 1
+
+    def _claim(self, rank: int) -> _Link | None:
+        with self.lock:
+            return self.waiting.pop(rank, None)
+
+    def _note(self, peer: tuple, what: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        line = f"{stamp} control link from {peer[0]} port {peer[1]}: {what}\n"
+        try:
+            with self.lock, open(self.log, "a", encoding="utf-8") as f:
+                f.write(line)
+        except OSError:  # the log is for a person to read later; start-up goes on without it
+            pass
 
 
 def _free_ports(n: int) -> list[int]:

@@ -12,8 +12,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -149,6 +151,8 @@ def test_follower_lost_mid_reply_one_line_error_and_messages_kept(models, tmp_pa
         assert first, proc.stderr.read().decode()
         time.sleep(0.3)
         (pid,) = _followers(home)
+        # The control secret came through its stdin: no 64-hex token on its command line.
+        assert not re.search(rb"[0-9a-f]{64}", Path(f"/proc/{pid}/cmdline").read_bytes())
         t = time.monotonic()
         os.kill(pid, how)
         out, err = proc.communicate(timeout=TIMEOUT + 15)
@@ -259,6 +263,131 @@ def test_hostfile_starts_remote_followers_through_ssh(models, tmp_path):
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["reply"] == one["reply"]
     assert calls.read_text().split() == ["mac2.example"]  # rank 1 only, by its ssh name
+
+
+def _drain(sock: socket.socket, got: dict, key: str) -> None:
+    """What a stranger receives until rank 0 closes it (or 30 s pass), and after how long."""
+    sock.settimeout(30)
+    data, t = b"", time.monotonic()
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except OSError:
+        pass
+    got[key] = (data, time.monotonic() - t)
+
+
+class CommandLines:
+    """Every process's command line seen while it runs (polled), and the environment of those
+    started with ``marker`` in theirs (rank 0, the stand-in ssh and its shell, the follower)."""
+
+    def __init__(self, marker: bytes):
+        self.marker, self.seen, self.stop = marker, set(), threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            for d in Path("/proc").iterdir():
+                try:
+                    if d.name.isdigit():
+                        self.seen.add((d / "cmdline").read_bytes())
+                        env = (d / "environ").read_bytes()
+                        if self.marker in env:
+                            self.seen.add(env)
+                except OSError:  # gone already, or another user's
+                    continue
+            time.sleep(0.05)
+
+    def close(self) -> set[bytes]:
+        self.stop.set()
+        self.thread.join(10)
+        return self.seen
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads command lines through /proc")
+def test_strangers_on_the_control_port_get_nothing_and_no_command_line_holds_the_secret(
+        models, tmp_path):
+    """Strangers connect to rank 0's control port before the follower does (the stand-in ssh
+    holds it back until they are in): they receive nothing but the challenge's nonce, each is
+    dropped with a line in control.log, and the follower still joins without waiting on the
+    silent one. The secret, read by the stand-in from its stdin as a remote shell would, is
+    on no process's command line, in no environment and in no log."""
+    home = tmp_path / "home"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls, secret, go = tmp_path / "ssh-calls.txt", tmp_path / "secret.txt", tmp_path / "go"
+    fake = bin_dir / "ssh"
+    fake.write_text(f"#!/bin/bash\n# ssh [-o OPT]... HOST COMMAND, the secret on stdin\n"
+                    f"while [ \"$1\" = -o ]; do shift 2; done\n"
+                    f"printf '%s\\n' \"$*\" > {calls}.new && mv {calls}.new {calls}\n"
+                    f"IFS= read -r line\nprintf '%s\\n' \"$line\" > {secret}\n"
+                    f"for _ in $(seq 600); do [ -e {go} ] && break; sleep 0.1; done\n"
+                    f"shift\nexec env -i PATH=\"$PATH\" bash -c \"$1\" <<< \"$line\"\n")
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([{"ssh": "localhost", "ips": ["127.0.0.1"]},
+                                    {"ssh": "mac2.example", "ips": ["127.0.0.1"]}]))
+    env = {**_env(home), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    cmd = [sys.executable, "-m", "localchat", "ask", "-c", "c", "-m", str(models["llama"]),
+           "--json", "--max-tokens", "12", "--hostfile", str(hostfile), "hello there one two"]
+    watch = CommandLines(f"LOCALCHAT_HOME={home}".encode())
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    strangers, got, readers = [], {}, []
+    try:
+        deadline = time.monotonic() + 60
+        while not (m := re.search(r"--control (\S+)", calls.read_text()
+                                  if calls.exists() else "")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        host, port = m.group(1).rsplit(":", 1)
+        for name in ("silent", "garbage", "old hello", "wrong proof"):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            strangers.append(s)
+            if name == "garbage":
+                s.sendall(b"\x00\xff{{{ GET / HTTP/1.0\n")
+            elif name == "old hello":  # what any follower sent before the handshake
+                s.sendall(b'{"rank": 1}\n')
+            elif name == "wrong proof":
+                s.settimeout(10)
+                challenge = s.recv(4096)
+                nonce = json.loads(challenge)["nonce"]
+                s.sendall(json.dumps({"rank": 1, "nonce": nonce, "proof": "0" * 64}).encode()
+                          + b"\n")
+            readers.append(threading.Thread(target=_drain, args=(s, got, name), daemon=True))
+            readers[-1].start()
+        time.sleep(0.3)
+        go.touch()  # the follower may start now
+        out, err = proc.communicate(timeout=120)
+        for r in readers:
+            r.join(30)
+    finally:
+        proc.kill()
+        seen = watch.close()
+        for s in strangers:
+            s.close()
+        for pid in _followers(home):
+            os.kill(pid, signal.SIGKILL)
+    err = err.decode()
+    assert proc.returncode == 0, err
+    assert json.loads(out)["reply"] and "Traceback" not in err
+    for name, (data, waited) in got.items():  # the nonce at most, never the conversation
+        assert [list(json.loads(x)) for x in data.splitlines()] in ([], [["nonce"]]), name
+        assert b"hello there" not in data
+        assert waited < 5 + 3, name  # LOCALCHAT_FOLLOWER_TIMEOUT 5 caps the hello timeout
+    log = (home / "logs" / "control.log").read_text()
+    rows = log.splitlines()
+    for why in ("not a JSON object", "lacks a rank, a nonce or a proof", "wrong proof"):
+        assert any(why in x for x in rows), log
+    joined = [i for i, x in enumerate(rows) if "rank 1 joined" in x]
+    silent = [i for i, x in enumerate(rows) if "in time" in x]
+    assert len(joined) == 1 and all(i > joined[0] for i in silent), log
+    key = secret.read_text().strip()
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert any(b"localchat.follower" in x for x in seen)  # the poll saw the follower
+    assert not [x for x in seen if key.encode() in x]
+    assert key not in log and key not in (home / "logs" / "follower-rank1.log").read_text()
+    assert calls.read_text().split()[0] == "mac2.example"
 
 
 def test_fork_shares_every_rank_shard(models, tmp_path):
