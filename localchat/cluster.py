@@ -65,10 +65,14 @@ def follower_timeout() -> float:
 
 
 class Solo:
-    """One process: every agreement is the local value."""
+    """One process: every agreement is the local value, there is no follower to tell, and
+    the session's folders and parts are its own."""
 
     rank = 0
     size = 1
+
+    def __init__(self) -> None:
+        self.on_lost: list[Callable[[str], None]] = []  # (never called: no rank to lose)
 
     def gather(self, values: list[int]) -> list[list[int]]:
         return [list(values)]
@@ -82,14 +86,24 @@ class Solo:
     def from_root(self, y):
         return y
 
-    def command(self, op: str, **payload) -> None:
+    def command(self, op: str, payload: Callable[[], dict] | None = None) -> None:
         pass
 
     def finish(self) -> None:
         pass
 
+    def lost_error(self, err: BaseException) -> BaseException:
+        return err  # no rank to lose: the error is what it is
+
     def kv_root(self, root: Path) -> Path:
         return root
+
+    def locks_dir(self, locks: Path) -> Path:
+        return locks
+
+    def local_only(self, part, stand_in):
+        """A session part that works in one process only (sharing, drafts): ``part``."""
+        return part
 
 
 class Ring:
@@ -111,6 +125,18 @@ class Ring:
         """This rank's KV cache folder: per world size, sharding and rank, so that a cache of
         one layout is never read by another (and one machine can hold several ranks)."""
         return root.parent / "kv-shards" / f"{self.shard}-{self.size}" / f"rank{self.rank}"
+
+    def locks_dir(self, locks: Path) -> Path:
+        """This rank's conversation locks: rank 0 takes the machine's (other processes'
+        turns wait on them); a follower its own, or it would wait on rank 0 on one machine."""
+        if self.rank == 0:
+            return locks
+        return locks.parent / "kv-shards" / f"{self.shard}-{self.size}" / f"locks-rank{self.rank}"
+
+    def local_only(self, part, stand_in):
+        """A session part that works in one process only (sharing, drafts: each rank would
+        need the same donor, the same draft): ``stand_in``, which does nothing."""
+        return stand_in
 
     # -- agreements (collectives: every rank calls them in the same order) -----------------
 
@@ -153,12 +179,15 @@ class Ring:
 
     # -- rank 0: telling the followers ---------------------------------------------------
 
-    def command(self, op: str, **payload) -> None:
-        """Rank 0: tell every follower the call it is about to make."""
+    def command(self, op: str, payload: Callable[[], dict] | None = None) -> None:
+        """Rank 0: tell every follower the call it is about to make (``payload()``: its
+        arguments). A follower, which has no links, tells nobody."""
+        if not self.links:
+            return
         if self.lost:
             raise ClusterLost(self.lost)
         self._seq += 1
-        msg = {"op": op, "seq": self._seq, **payload}
+        msg = {"op": op, "seq": self._seq, **(payload() if payload else {})}
         for link in self.links:
             link.send(msg)
 

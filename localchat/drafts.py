@@ -1,8 +1,9 @@
 """Which tokens of an unsent message will not change as the user goes on typing.
 
-What it is: draft prefill (``Session.prefill_draft``, the ``DraftPrefill`` mixin at the end):
-where the draft ends in the rendered conversation, how many tokens before that end are stable,
-and their prefill into the cache in memory. What it is not: the app's timer (``tui/app.py``).
+What it is: draft prefill (``Drafts.prefill``, one part of a ``Session``): where the draft
+ends in the rendered conversation, how many tokens before that end are stable, and their
+prefill into the turn cache's memory (``TurnCache.live``). ``NoDrafts`` stands in where it
+cannot work: a model split over ranks. What it is not: the app's timer (``tui/app.py``).
 
 Tokenizers merge across the end of a word that is still growing ("hel" + "lo" → "hello"),
 and the template puts the end of the message and the generation prompt after it. So a draft
@@ -18,10 +19,11 @@ import re
 from collections.abc import Iterator
 
 from . import cachekinds as ck
+from .conversations import Conversations
 from .events import DraftProgress
 from .kvstore import common_prefix
 from .store import Conversation
-from .turncache import _Live
+from .turncache import Live, TurnCache
 
 LONG_WORD = 48  # characters without a space after which a draft holds back less than a word
 HOLD_CHARS = 16
@@ -93,7 +95,7 @@ def stable_tokens(engine, messages: list[dict], tokens: list[int], lo: int = 0) 
     return lo
 
 
-# -- the prefill itself: a mixin of ``Session`` ---------------------------------------------
+# -- the prefill itself ---------------------------------------------------------------------
 
 # A draft prefills this many tokens at a time, checking between chunks whether the user typed
 # again (or sent it): ~0.25 s of the default model on a 2-core CPU.
@@ -101,46 +103,49 @@ DRAFT_CHUNK = 64
 DRAFT_CHECKPOINTS = 3  # bounded states kept past the history's end while a draft grows
 
 
-class DraftPrefill:
-    """``Session.prefill_draft``; expects the ``TurnCache`` methods and ``_history``."""
+class Drafts:
+    """Prefills the unsent message of a conversation into ``cache``'s memory."""
 
-    def prefill_draft(self, conv: Conversation, text: str, cancel
-                      ) -> Iterator[DraftProgress]:
+    def __init__(self, cache: TurnCache, conversations: Conversations):
+        self.cache = cache
+        self.engine = cache.engine
+        self.conversations = conversations
+
+    def prefill(self, conv: Conversation, text: str, cancel) -> Iterator[DraftProgress]:
         """Prefill the stable part of an unsent message into the conversation's cache in
         memory, so that the turn that sends it starts from there.
 
         Renders the conversation with ``text`` as a new user message, holds back what may
-        still change (``drafts.stable_tokens``: the last word, the end of the message, the
+        still change (``stable_tokens``: the last word, the end of the message, the
         generation prompt) and prefills the rest after the cached history, ``DRAFT_CHUNK``
         tokens at a time, checking ``cancel`` between chunks. Nothing goes to the database or
-        the disk. The next turn of ``conv`` keeps what matches its own rendering (``_start``):
-        an edit keeps the prefilled tokens before it, and the reply is the one it would be
-        without a draft. A turn of another conversation or of another process drops it, and
-        so does quitting. Nothing is done for a damaged or missing cache (the turn rebuilds
-        it), a model whose cache is not kept, a template that rewrites the end of the
-        history, or a message over the context.
+        the disk. The next turn of ``conv`` keeps what matches its own rendering
+        (``TurnCache.start``): an edit keeps the prefilled tokens before it, and the reply is
+        the one it would be without a draft. A turn of another conversation or of another
+        process drops it, and so does quitting. Nothing is done for a damaged or missing
+        cache (the turn rebuilds it), a model whose cache is not kept, a template that
+        rewrites the end of the history, or a message over the context.
 
-        Not concurrently with a turn of this session: the app runs both on its one MLX
+        Not concurrently with a turn of the same session: the app runs both on its one MLX
         thread (``tui/mlxthread.py``).
 
         Yields:
             DraftProgress: first what is prefilled already, then after each chunk.
         """
-        engine = self.engine
-        if cancel.is_set() or not text.strip() or engine.info().unknown or self.split:
+        engine, turns = self.engine, self.cache
+        if cancel.is_set() or not text.strip() or engine.info().unknown:
             return
-        kv = self.kvstore(conv)
-        prior, man, note = self._prior(conv, kv, False, draft=True)
-        if note not in ("", "new conversation"):
+        prior = turns.prior(conv, False, draft=True)
+        if prior.note not in ("", "new conversation"):
             return
-        messages = self._history(conv) + [{"role": "user", "content": text}]
-        tokens = engine.render(messages, prior)
-        on_disk = len(prior or ())
-        if common_prefix(prior or [], tokens) < on_disk or \
+        messages = self.conversations.history(conv) + [{"role": "user", "content": text}]
+        tokens = engine.render(messages, prior.tokens)
+        on_disk = len(prior.tokens or ())
+        if common_prefix(prior.tokens or [], tokens) < on_disk or \
                 len(tokens) >= engine.info().context_length:
             return
         target = stable_tokens(engine, messages, tokens, on_disk)
-        live = self._live  # this conversation's (``_prior`` dropped any other) or None
+        live = turns.live  # this conversation's (``prior`` dropped any other) or None
 
         def progress(fed: int) -> DraftProgress:
             return DraftProgress(max(0, min(fed, target) - on_disk), target - on_disk,
@@ -149,11 +154,11 @@ class DraftPrefill:
         if target == on_disk or (live and common_prefix(live.tokens, tokens) >= target):
             yield progress(target)
             return
-        start = self._start(kv, prior, man, tokens[:target], False, draft=True)
-        if start.changed.startswith(("cache rebuilt", "cache partly rebuilt")):
+        start = turns.start(conv, prior, tokens[:target], False, draft=True)
+        if start.damaged:
             return
-        self._live = live = _Live(conv.id, engine.cache_fingerprint, tokens[: start.pos],
-                                  start.cache, dict(start.checkpoints), on_disk)
+        turns.live = live = Live(conv.id, engine.cache_fingerprint, tokens[: start.pos],
+                                 start.cache, dict(start.checkpoints), on_disk)
         yield progress(start.pos)
         bounded = bool(ck.bounded(live.cache))
         # Bounded caches get checkpoints as the draft grows (an edit goes back to one), and
@@ -168,11 +173,11 @@ class DraftPrefill:
                 except StopIteration:
                     done = end - first
                 except BaseException:
-                    self._live = None  # stopped inside a model step: the cache is unknown
+                    turns.live = None  # stopped inside a model step: the cache is unknown
                     raise
                 live.tokens = tokens[: first + done]
                 if bounded and (len(live.tokens) > on_disk or len(live.tokens) == end):
-                    self._keep_draft_checkpoint(live)
+                    keep_draft_checkpoint(live)
                 if len(live.tokens) == end:
                     break
                 yield progress(len(live.tokens))
@@ -181,16 +186,23 @@ class DraftPrefill:
                 break
         yield progress(len(live.tokens))
 
-    @staticmethod
-    def _keep_draft_checkpoint(live: _Live) -> None:
-        """Capture the bounded state where the draft now ends. Kept: the history's
-        checkpoints, and past them the newest ``DRAFT_CHECKPOINTS`` at least 8 tokens apart
-        (not all at the last few words typed), so that an edit restores a state near it."""
-        pos = len(live.tokens)
-        live.checkpoints[pos] = ck.capture(live.cache, pos)
-        kept: list[int] = []
-        for q in sorted((q for q in live.checkpoints if q > live.on_disk), reverse=True):
-            if len(kept) < DRAFT_CHECKPOINTS and (not kept or kept[-1] - q >= 8):
-                kept.append(q)
-            else:
-                del live.checkpoints[q]
+
+class NoDrafts:
+    """``Drafts`` where it cannot work (a model split over ranks): nothing is prefilled."""
+
+    def prefill(self, conv: Conversation, text: str, cancel) -> Iterator[DraftProgress]:
+        return iter(())
+
+
+def keep_draft_checkpoint(live: Live) -> None:
+    """Capture the bounded state where the draft now ends. Kept: the history's checkpoints,
+    and past them the newest ``DRAFT_CHECKPOINTS`` at least 8 tokens apart (not all at the
+    last few words typed), so that an edit restores a state near it."""
+    pos = len(live.tokens)
+    live.checkpoints[pos] = ck.capture(live.cache, pos)
+    kept: list[int] = []
+    for q in sorted((q for q in live.checkpoints if q > live.on_disk), reverse=True):
+        if len(kept) < DRAFT_CHECKPOINTS and (not kept or kept[-1] - q >= 8):
+            kept.append(q)
+        else:
+            del live.checkpoints[q]

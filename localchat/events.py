@@ -2,7 +2,7 @@
 
 ``Session.turn`` (and ``Session.complete`` for batch lines) yield ``Notice``,
 ``PrefillProgress`` and ``ReplyChunk`` events, then one ``TurnFinished`` carrying the ``Usage``
-record the status bar, ``ask --json`` and batch results show; ``Session.prefill_draft`` yields
+record the status bar, ``ask --json`` and batch results show; ``Drafts.prefill`` yields
 ``DraftProgress``. ``Usage.of`` is the one place that computes its figures. Nothing here
 imports MLX.
 """
@@ -32,7 +32,7 @@ class ReplyChunk:
 
 @dataclass(frozen=True)
 class DraftProgress:
-    """How much of an unsent message is prefilled (``Session.prefill_draft``).
+    """How much of an unsent message is prefilled (``Drafts.prefill``).
 
     ``total``: tokens the message adds to the conversation (its text and the template's
     framing); ``target``: the stable ones a draft prefills (the last word, the end of the

@@ -97,9 +97,8 @@ def _join(args):
 
     ring = Ring(join_ring(os.environ["LOCALCHAT_RING_HOSTS"]), args.shard)
     engine = Engine.load(args.model, group=ring)
-    kv_root = ring.kv_root(paths.kv_root())
-    locks = kv_root.parent / f"locks-rank{ring.rank}"
-    return Session(Store.open(Path(":memory:")), engine, kv_root, locks)
+    # (the ring gives this rank its own cache folder and locks: ``Ring.kv_root``/``locks_dir``)
+    return Session(Store.open(Path(":memory:")), engine, paths.kv_root(), paths.locks_dir())
 
 
 _POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -> this rank's
@@ -129,7 +128,7 @@ def _run(session, msg: dict) -> None:
     conv = Conversation(**msg["conversation"])
     session.store.mirror(conv, [Message(0, seq, role, content, partial, 0.0)
                                 for seq, role, content, partial in msg["messages"]])
-    for _ in session._locked(conv, msg["prompt"], options, Cancel(), msg["cut"]):
+    for _ in session.follow(conv, msg["prompt"], options, Cancel(), msg["cut"]):
         pass
 
 

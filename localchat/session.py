@@ -1,22 +1,27 @@
 """Conversations and their turns, with each conversation's KV cache reused from memory or disk.
 
 What it is: the layer every front end stands on. ``open_session`` is the one factory (store,
-model, session); ``Session`` owns the conversation operations (find or create, rename, delete,
-regenerate, edit the last message, count a draft's tokens) and the turn itself:
-render → match prefix → restore the cache → prefill the rest → decode → persist. ``turn``
-is the one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the
+model, session); a ``Session`` runs the turn itself — render → match prefix → restore the
+cache → prefill the rest → decode → persist — and is composed of parts with one concern each:
+
+- ``conversations`` (``conversations.py``): find or create, rename, history, fork, delete;
+- ``cache`` (``turncache.py``): where a turn resumes, what it writes, the cache in memory;
+- ``sharing`` (``sharing.py``): prefixes another conversation's cache can lend;
+- ``drafts`` (``drafts.py``): the next message prefilled while it is typed.
+
+``turn`` is the one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the
 benchmarks); it yields the records of ``events.py``. What it is not: I/O for a person
 (``cli.py``, ``tui/``) or the model (``engine.py``).
+
+Split over ranks (``cluster/``), every rank runs these same calls on its own shard; what
+differs lives in the group (``engine.group``): its agreements, its commands to followers, the
+folders of this rank, and the parts only one process can have (``local_only``). Nothing here
+asks whether the model is split.
 
 Order of writes (a crash anywhere leaves a consistent state): the user's message is committed
 first, so typed text is never lost; after decoding, the reply; then the KV cache segments,
 checkpoints and manifest. A stopped reply (a ``Cancel`` set, Ctrl-C, closing the generator)
 is kept, marked partial, and the cache holds exactly the tokens that were fed.
-
-``Session`` is assembled from mixins, one module each: ``turncache.TurnCache`` (where a turn
-resumes, what it writes), ``sharing.Sharing`` (forks, prefixes shared between
-conversations), ``drafts.DraftPrefill`` (the next message prefilled while it is typed).
-Split over ranks (``cluster.py``), every rank runs these same calls on its own shard.
 """
 
 from __future__ import annotations
@@ -27,26 +32,25 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import cachekinds as ck
 from . import kvquality, paths
 from .cluster import ClusterLost
-from .drafts import DraftPrefill
+from .conversations import Conversations
+from .drafts import Drafts, NoDrafts
 from .engine import Engine, now
-from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError
+from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from .kvstore import CacheInvalid, KVStore
-from .locks import ConversationLock
 from .prefixes import PrefixPool
-from .sharing import MIN_SHARED, Sharing, delete_conversation, fork_conversation
+from .sharing import MIN_SHARED, NoSharing, Sharing
 from .store import Conversation, Store
-from .turncache import TurnCache, _Live, _Run, _Start
+from .turncache import Prior, Start, TurnCache
 
 __all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "ReplyChunk",
-           "Session", "TurnFinished", "TurnOptions", "Usage", "delete_conversation",
-           "fork_conversation", "open_session"]
+           "Session", "TurnFinished", "TurnOptions", "Usage", "open_session"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,21 @@ class Cancel:
 
     def is_set(self) -> bool:
         return self._event.is_set()
+
+
+@dataclass
+class Run:
+    """What a turn's prefill and decode produced so far (read when it is cut short)."""
+
+    generated: list[int] = field(default_factory=list)
+    reply: str = ""
+    stopped: bool = False
+    logits_ready: bool = False
+    prefill_s: float = 0.0
+    t_first: float | None = None
+    t_last: float | None = None  # when the last token came (decode speed ends there)
+    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
+    checkpoints: list[ck.Captured] = field(default_factory=list)
 
 
 def open_session(model: str | None = None, *, progress: Callable[[str], None] | None = None,
@@ -99,60 +118,65 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
         raise
     if lock_timeout is None:
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
-    session = Session(store, engine, engine.group.kv_root(paths.kv_root()), paths.locks_dir(),
-                      lock_timeout)
-    if group is not None:
-        # Before the app's hook: once the app has given the terminal back, it may exit.
-        group.on_lost.insert(0, session.save_partial)
+    session = Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout)
+    # Before the app's hook: once the app has given the terminal back, it may exit.
+    engine.group.on_lost.insert(0, session.save_partial)
     return session
 
 
-class Session(TurnCache, Sharing, DraftPrefill):
+class Session:
     """Runs turns of conversations stored in ``store`` with ``engine``."""
 
     def __init__(self, store: Store, engine: Engine, kv_root: Path, locks_dir: Path,
                  lock_timeout: float = 60.0):
+        """
+        Args:
+            kv_root, locks_dir: the data folder's caches and locks (``paths``); this rank's
+                own folders are derived from them by the group (``engine.group``).
+        """
         self.store = store
         self.engine = engine
-        self.kv_root = kv_root
-        self.locks_dir = locks_dir
-        self.lock_timeout = lock_timeout
-        self._live: _Live | None = None
-        self.group = engine.group  # the ranks the model is split over (``cluster.py``)
-        # The disk budget's cache root and locks: split, this machine's data folder's (the
-        # session's own caches are one rank's folder of it), else the session's own.
-        self.budget_home = ((paths.kv_root(), paths.locks_dir()) if self.split
-                            else (kv_root, locks_dir))
-        self._running: tuple[Conversation, _Run] | None = None  # for ``save_partial``
+        self.group = engine.group  # the ranks the model is split over (``cluster/``)
+        self.conversations = Conversations(store, kv_root, self.group.locks_dir(locks_dir),
+                                           lock_timeout)
+        self.cache = TurnCache(engine, self.group.kv_root(kv_root), (kv_root, locks_dir))
+        # What only one process can do: each rank would need the same donor, the same draft.
+        self.sharing = self.group.local_only(Sharing(engine, self.cache.kv_root), NoSharing())
+        self.drafts = self.group.local_only(Drafts(self.cache, self.conversations), NoDrafts())
+        self._running: tuple[Conversation, Run] | None = None  # for ``save_partial``
 
     @property
-    def split(self) -> bool:
-        """The model runs over several ranks: no drafts, no sharing between conversations."""
-        return self.group.size > 1
+    def kv_root(self) -> Path:
+        """This rank's folder of conversation caches."""
+        return self.cache.kv_root
+
+    @property
+    def locks_dir(self) -> Path:
+        return self.conversations.locks_dir
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.ref.name
+
+    def kvstore(self, conv: Conversation) -> KVStore:
+        return self.cache.kvstore(conv)
 
     def close(self) -> None:
         self.store.close()
 
     def save_partial(self, why: str = "") -> None:
         """Store the reply of a turn that cannot finish (a follower was lost while it ran),
-        marked partial; from any thread (the cluster watchdog's)."""
+        marked partial; from any thread (the cluster watchdog's), on its own connection."""
         running, self._running = self._running, None
-        if running is None or not running[1].reply:
+        if running is None or not running[1].reply or self.store.path is None:
             return
-        store = Store.open(paths.database_path())
+        store = Store.open(self.store.path)
         try:
             store.add_message(running[0], "assistant", running[1].reply, partial=True)
         finally:
             store.close()
 
-    def kvstore(self, conv: Conversation) -> KVStore:
-        return KVStore(self.kv_root / str(conv.id))
-
-    # -- conversations ---------------------------------------------------------------------
-
-    @property
-    def model_name(self) -> str:
-        return self.engine.ref.name
+    # -- conversations (on every rank) -----------------------------------------------------
 
     def conversation(self, name: str | None, *, system: str | None = None,
                      kv_bits: int | None = None, kv_group: int | None = None) -> Conversation:
@@ -166,41 +190,34 @@ class Session(TurnCache, Sharing, DraftPrefill):
         Raises:
             BadInput: a setting this model cannot take, or one that fails the gate.
         """
-        changes = {}
+        settings = {}
         if kv_bits is not None:
             quant = kvquality.setting(self.engine, kv_bits, kv_group)
-            changes["kv_bits"] = quant.bits if quant else None
-            changes["kv_group"] = quant.group if quant else None
-        conv = self.store.find(name) if name else None
-        if conv is None:
-            conv = self.store.create(name or self.store.unique_name(), self.model_name, system)
-        else:
-            if conv.model != self.model_name:
-                changes["model"] = self.model_name
-            if system is not None and system != conv.system:
-                changes["system"] = system
-        return self.store.update(conv, **changes) if changes else conv
-
-    @staticmethod
-    def _quant(conv: Conversation) -> ck.KVQuant | None:
-        return ck.KVQuant(conv.kv_bits, conv.kv_group) if conv.kv_bits else None
-
-    def rename(self, conv: Conversation, name: str) -> Conversation:
-        return self.store.update(conv, name=name.strip())
+            settings = {"kv_bits": quant.bits if quant else None,
+                        "kv_group": quant.group if quant else None}
+        return self.conversations.find_or_create(name, self.model_name, system, **settings)
 
     def delete(self, conv: Conversation) -> None:
         """Delete a conversation, its messages and its KV cache (every rank's shard)."""
-        if self._live and self._live.conversation_id == conv.id:
-            self._live = None
-        self.group.command("delete", conversation=conv.id)
-        delete_conversation(self.store, conv, self.kv_root, self.locks_dir, self.lock_timeout)
+        self.cache.forget(conv.id)
+        self.group.command("delete", lambda: {"conversation": conv.id})
+        self.conversations.delete(conv)
         self.group.finish()
 
     def delete_shard(self, conversation_id: int) -> None:
         """A follower's part of ``delete``: its own cache folder of the conversation."""
-        if self._live and self._live.conversation_id == conversation_id:
-            self._live = None
-        shutil.rmtree(self.kv_root / str(conversation_id), ignore_errors=True)
+        self.cache.forget(conversation_id)
+        shutil.rmtree(self.cache.kvstore(conversation_id).folder, ignore_errors=True)
+
+    def fork(self, conv: Conversation, name: str, at: int | None = None
+             ) -> tuple[Conversation, int]:
+        """A new conversation ``name`` with ``conv``'s first ``at`` messages (all if None),
+        sharing ``conv``'s cache files on every rank; (the fork, cache bytes written)."""
+        new, written = self.conversations.fork(conv, name, at)
+        if at != 0:
+            self.group.command("fork", lambda: {"source": conv.id, "fork": new.id})
+            self.group.finish()
+        return new, written
 
     def count_tokens(self, text: str) -> int:
         """A draft's length in tokens; safe from any thread (the app's UI thread)."""
@@ -216,29 +233,31 @@ class Session(TurnCache, Sharing, DraftPrefill):
         Yields:
             Notice, PrefillProgress and ReplyChunk events, then one TurnFinished.
         Raises:
-            BadInput, ContextFull, ConversationBusy, StorageError.
+            BadInput, ContextFull, ConversationBusy, ConversationNotFound, StorageError.
         """
         if prompt is not None and not prompt.strip():
             raise BadInput("empty prompt")
-        yield from self._locked(conv, prompt, options, cancel or Cancel(), cut=None)
+        yield from self.follow(conv, prompt, options, cancel or Cancel(), cut=None)
 
     def regenerate(self, conv: Conversation, options: TurnOptions = TurnOptions(),
                    cancel: Cancel | None = None) -> Iterator[Event]:
         """Drop the last reply and answer the last user message again (reuses the cache
         up to that message)."""
-        yield from self._locked(conv, None, options, cancel or Cancel(), cut="reply")
+        yield from self.follow(conv, None, options, cancel or Cancel(), cut="reply")
 
     def edit_last(self, conv: Conversation, text: str, options: TurnOptions = TurnOptions(),
                   cancel: Cancel | None = None) -> Iterator[Event]:
         """Replace the last user message (and what follows) by ``text`` and answer it."""
         if not text.strip():
             raise BadInput("empty prompt")
-        yield from self._locked(conv, text, options, cancel or Cancel(), cut="user")
+        yield from self.follow(conv, text, options, cancel or Cancel(), cut="user")
 
-    def _locked(self, conv, prompt, options, cancel, cut):
+    def follow(self, conv: Conversation, prompt: str | None, options: TurnOptions,
+               cancel: Cancel, cut: str | None) -> Iterator[Event]:
+        """A turn as ``turn``, ``regenerate`` (``cut="reply"``) or ``edit_last``
+        (``cut="user"``) run it — and as a follower rank runs rank 0's."""
         t0 = now()
-        lock = ConversationLock(self.locks_dir / f"{conv.id}.lock", conv.name,
-                                self.lock_timeout)
+        lock = self.conversations.lock(conv)
         if not lock.try_acquire():
             yield Notice(lock.waiting_message)
             lock.acquire()
@@ -251,96 +270,97 @@ class Session(TurnCache, Sharing, DraftPrefill):
                 raise ConversationNotFound(f"conversation {conv.name!r} was deleted by "
                                            "another localchat process")
             conv = fresh
-            if self.split and self.group.rank == 0:
-                self.group.command(
-                    "turn", conversation=dataclasses.asdict(conv), prompt=prompt, cut=cut,
-                    options=dataclasses.asdict(options),
-                    messages=[(m.seq, m.role, m.content, m.partial)
-                              for m in self.store.messages(conv)])
+            self.group.command("turn", lambda: {
+                "conversation": dataclasses.asdict(conv), "prompt": prompt, "cut": cut,
+                "options": dataclasses.asdict(options),
+                "messages": [(m.seq, m.role, m.content, m.partial)
+                             for m in self.store.messages(conv)]})
             with self._reported():
-                reason = ""
-                if cut is not None:
-                    reason = self._cut(conv, cut)
+                reason = self.conversations.cut(conv, cut) if cut else ""
                 yield from self._turn(conv, prompt, options, cancel, t0, reason)
         finally:
             lock.release()
             self._running = None
 
-    def _cut(self, conv: Conversation, what: str) -> str:
-        users = [m for m in self.store.messages(conv) if m.role == "user"]
-        if not users:
-            raise BadInput("no message to edit yet" if what == "user" else
-                           "nothing to regenerate yet")
-        seq = users[-1].seq + (1 if what == "reply" else 0)
-        self.store.delete_messages_from(conv, seq)
-        return "regenerated" if what == "reply" else "edited"
-
     def _turn(self, conv, prompt, options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
-        history = self._history(conv)
+        history = self.conversations.history(conv)
         if prompt is not None:
             history.append({"role": "user", "content": prompt})
         elif not history or history[-1]["role"] != "user":
             raise BadInput("nothing to answer: the conversation does not end with a user message")
-        kv = self.kvstore(conv)
-        prior, man, note = self._prior(conv, kv, options.no_cache)
-        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior)
+        prior = self.cache.prior(conv, options.no_cache)
+        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens)
         if prompt is not None:
             self.store.add_message(conv, "user", prompt)
-        if man is None and not options.no_cache and not self.engine.info().unknown \
-                and not self.split:
+        note = prior.note
+        if prior.manifest is None and not options.no_cache and not self.engine.info().unknown:
             # Nothing stored for this conversation: start from another one's prefix if any.
-            man = self._adopt_shared(conv, kv, tokens)
+            man = self.sharing.adopt(self.kvstore(conv), self.cache.layout(conv), tokens)
             if man is not None:
-                prior = man.tokens
-                note = f"{note}; {len(prior)} tokens shared with another conversation"
+                prior = Prior(man.tokens, man)
+                note = f"{note}; {len(man.tokens)} tokens shared with another conversation"
         if note.startswith("cache rebuilt"):
             yield Notice(note)
-        start = self._start(kv, prior, man, tokens, options.no_cache)
-        if start.changed.startswith(("cache rebuilt", "cache partly rebuilt")):
+        start = self.cache.start(conv, prior, tokens, options.no_cache)
+        if start.damaged:
             yield Notice(start.changed)
         parts = [note] if note else [
             edit_reason or start.changed if start.changed else "", start.fallback]
         reason = "; ".join(p for p in parts if p)
 
-        run = _Run()
+        run = Run()
         self._running = (conv, run)
         new_tokens = tokens[start.pos:]
         try:
             try:
                 yield from self._prefill_and_decode(new_tokens, start, max_tokens, options,
                                                     cancel, run)
-            except RuntimeError as err:
-                if not self.split:
-                    raise
-                raise self.group.lost_error(err) from None  # a rank went away mid-step
+            except RuntimeError as err:  # split: a rank went away mid-step
+                raise self.group.lost_error(err) from None
         except GeneratorExit:
             # Closed at a yield point: the cache holds exactly the fed tokens, so keep it.
-            self._persist(conv, kv, tokens + run.generated, start, run, True)
+            self._persist(conv, tokens + run.generated, start, run, True)
             raise
         except (KeyboardInterrupt, ClusterLost):
             # Raised anywhere, perhaps inside a model step: keep the text, not this cache.
-            self._live = None
+            self.cache.forget()
             self._running = None
             if run.reply:
                 self.store.add_message(conv, "assistant", run.reply, partial=True)
             raise
         self._running = None
-        notes: list[str] = []
-        written = self._persist(conv, kv, tokens + run.generated, start, run,
-                                run.stopped and run.logits_ready, notes)
-        for text in notes:
-            yield Notice(text)
-        cache_bytes = kv.disk_bytes()
-        if self.split:  # the conversation's cache is every rank's shard together
-            rows = self.group.gather([cache_bytes, written, int(bool(notes))])
-            cache_bytes, written = sum(r[0] for r in rows), sum(r[1] for r in rows)
-            for rank, row in enumerate(rows[1:], start=1):
-                if row[2]:
-                    yield Notice(f"cache not saved on rank {rank}; it will be rebuilt")
-        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=cache_bytes,
-                            written=written, reason=reason, draft=start.draft)
+        written, note = self._persist(conv, tokens + run.generated, start, run,
+                                      run.stopped and run.logits_ready)
+        if note:
+            yield Notice(note)
+        # The conversation's cache is every rank's shard together.
+        rows = self.group.gather([self.kvstore(conv).disk_bytes(), written, int(bool(note))])
+        for rank, row in enumerate(rows[1:], start=1):
+            if row[2]:
+                yield Notice(f"cache not saved on rank {rank}; it will be rebuilt")
+        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=sum(r[0] for r in rows),
+                            written=sum(r[1] for r in rows), reason=reason, draft=start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
+
+    def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
+                 partial: bool) -> tuple[int, str]:
+        """Save the reply, then the cache of the tokens fed; (bytes written, a notice).
+
+        The reply goes first: it is what the user cannot get back, while a cache that is not
+        written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
+        the previous manifest still describes valid files.
+        """
+        if run.reply:  # an empty reply (stopped before any text) is not worth a message
+            self.store.add_message(conv, "assistant", run.reply, partial=partial)
+        fed = fed_candidates[:run.fed]
+        written, note = self.cache.persist(conv, fed, start, run.checkpoints,
+                                           self.sharing.shareable_ends(conv, fed))
+        try:
+            self.store.update(conv, tokens=run.fed)
+        except StorageError:
+            pass  # the token count only feeds `localchat list`
+        return written, note
 
     def complete(self, messages: list[dict], pool: PrefixPool,
                  options: TurnOptions = TurnOptions(), cancel: Cancel | None = None,
@@ -350,9 +370,8 @@ class Session(TurnCache, Sharing, DraftPrefill):
         Yields the same events as ``turn``; the finished cache goes back into ``pool``.
         """
         t0 = now()
-        if self.split and self.group.rank == 0:
-            self.group.command("complete", messages=messages, pool=id(pool),
-                               options=dataclasses.asdict(options))
+        self.group.command("complete", lambda: {
+            "messages": messages, "pool": id(pool), "options": dataclasses.asdict(options)})
         with self._reported():
             yield from self._complete(messages, pool, options, cancel, t0)
 
@@ -374,24 +393,22 @@ class Session(TurnCache, Sharing, DraftPrefill):
     def _complete(self, messages, pool, options, cancel, t0):
         tokens, max_tokens = self.render_checked(messages, options.max_tokens)
         k, cache, snaps = pool.take(tokens)
-        if self.split:  # every rank resumes at the same token (their pools match)
-            start = self._agree(_Start(cache, k, snaps))
-            k, cache, snaps = start.pos, start.cache, start.checkpoints
-        elif k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
-            donor = self.find_donor(self.engine.layout(), tokens)
+        if k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
+            donor = self.sharing.find_donor(self.engine.layout(), tokens)
             if donor is not None:
                 try:
-                    cache, snaps = self._load(donor[0], donor[1], donor[2])
+                    cache, snaps = self.cache.load(*donor)
                     k = donor[2]
                 except CacheInvalid:
                     pass  # a damaged donor: prefill from zero
-        start = _Start(cache, k, snaps)
-        run = _Run()
-        yield from self._prefill_and_decode(tokens[k:], start, max_tokens, options,
+        start = self.cache.agree(Start(cache, k, snaps))  # every rank at the same token
+        run = Run()
+        yield from self._prefill_and_decode(tokens[start.pos:], start, max_tokens, options,
                                             cancel or Cancel(), run)
-        pool.put((tokens + run.generated)[: run.fed], cache, {s.pos: s for s in run.checkpoints})
-        reason = "" if k else "no shared prefix"
-        usage = self._usage(tokens, k, run, t0, reason=reason)
+        pool.put((tokens + run.generated)[: run.fed], start.cache,
+                 {s.pos: s for s in run.checkpoints})
+        reason = "" if start.pos else "no shared prefix"
+        usage = self._usage(tokens, start.pos, run, t0, reason=reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def render_checked(self, messages: list[dict], max_tokens: int,
@@ -407,18 +424,10 @@ class Session(TurnCache, Sharing, DraftPrefill):
             )
         return tokens, min(max_tokens, room)
 
-    def _history(self, conv: Conversation) -> list[dict]:
-        """The stored messages as the template takes them, the system prompt first."""
-        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
-        if conv.system and not any(m["role"] == "system" for m in history):
-            history.insert(0, {"role": "system", "content": conv.system})
-        return history
+    # -- prefill and decode ----------------------------------------------------------------
 
-
-    # -- prefill, decode, persist ------------------------------------------------------------
-
-    def _prefill_and_decode(self, new_tokens, start: _Start, max_tokens: int,
-                            options: TurnOptions, cancel: Cancel, run: _Run):
+    def _prefill_and_decode(self, new_tokens, start: Start, max_tokens: int,
+                            options: TurnOptions, cancel: Cancel, run: Run):
         """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
         Models with bounded layers get a checkpoint one token before the reply (the end of
@@ -482,9 +491,9 @@ class Session(TurnCache, Sharing, DraftPrefill):
 
     def _stop(self, cancel: Cancel) -> bool:
         """Stop here? Split over ranks, rank 0's answer (Ctrl-C reaches rank 0 only)."""
-        return self.group.agree_any(cancel.is_set()) if self.split else cancel.is_set()
+        return self.group.agree_any(cancel.is_set())
 
-    def _usage(self, tokens: list[int], k: int, run: _Run, t0: float, *, cache_bytes: int = 0,
+    def _usage(self, tokens: list[int], k: int, run: Run, t0: float, *, cache_bytes: int = 0,
                written: int = 0, reason: str = "", draft: int = 0) -> Usage:
         t_end = now()
         t_first = run.t_first or t_end

@@ -1,9 +1,13 @@
-"""Caches shared between conversations: forks, and a new conversation's prefix taken from
-another one's cache (hard links, no copies). A mixin of ``Session`` plus the two operations
-that need no model (``fork_conversation``, ``delete_conversation``).
+"""Caches shared between conversations by hard links: a new conversation's prefix taken from
+another one's cache, and a fork's whole cache.
 
-What it is not: the prefix pool of ``batch`` (``prefixes.py``) or the disk budget
-(``budget.py``). Off when the model is split over ranks (each rank would need the same donor).
+What it is: ``Sharing`` (one part of a ``Session``) finds the stored cache with the longest
+usable prefix of a rendering (``find_donor``), links it into an empty conversation folder
+(``adopt``), and says where a segment should end so that others can link it whole
+(``shareable_ends``); ``link_cache`` gives a fork all of its parent's files. ``NoSharing``
+stands in where sharing cannot work: a model split over ranks (each rank would need the same
+donor). What it is not: the prefix pool of ``batch`` (``prefixes.py``), the disk budget
+(``budget.py``), or the conversation rows of a fork (``conversations.py``).
 """
 
 from __future__ import annotations
@@ -11,85 +15,22 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import budget, paths
-from .errors import BadInput
 from .kvstore import CacheInvalid, KVStore, Layout, Manifest, common_prefix
-from .locks import ConversationLock
-from .store import Conversation, Store
+from .store import Conversation
 
 MIN_SHARED = 32  # shorter prefixes shared with another conversation are not worth linking
 
-
-def fork_conversation(store: Store, conv: Conversation, name: str, at: int | None = None,
-                      kv_root: Path | None = None, locks_dir: Path | None = None,
-                      lock_timeout: float = 60.0) -> tuple[Conversation, int]:
-    """A new conversation ``name`` holding ``conv``'s first ``at`` messages (all if None),
-    its system prompt and settings, and its cache files as hard links (no model needed).
-
-    The fork's cache holds all of the parent's tokens; its next turn keeps the prefix its own
-    rendering shares and drops the rest. Deleting either conversation leaves the other's
-    files intact. Returns (the fork, cache bytes written: the manifest, plus copies where the
-    filesystem has no hard links).
-    """
-    kv_root = kv_root or paths.kv_root()
-    messages = store.messages(conv)
-    if at is not None and not 0 <= at <= len(messages):
-        raise BadInput(f"--at must be between 0 and {len(messages)} (messages in {conv.name})")
-    lock = ConversationLock((locks_dir or paths.locks_dir()) / f"{conv.id}.lock", conv.name,
-                            lock_timeout)
-    with lock:
-        new = store.create(name, conv.model, conv.system)
-        if conv.kv_bits:
-            new = store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
-        for m in messages[:at]:
-            store.add_message(new, m.role, m.content, m.partial)
-        written = 0
-        if at != 0:
-            written = link_cache(kv_root, conv.id, new.id)
-            # The shards this machine keeps for split runs (``cluster.Ring.kv_root``) too.
-            for root in budget.cache_roots(paths.kv_root())[1:]:
-                if root != kv_root:
-                    written += link_cache(root, conv.id, new.id)
-    return store.get(name), written
-
-
-def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
-    """Make conversation ``dst_id``'s empty cache folder share ``src_id``'s files (all its
-    tokens); bytes written. Any failure only costs the next turn a prefill."""
-    src = KVStore(kv_root / str(src_id))
-    try:
-        man = src.manifest()
-        if man is None or (kv_root / str(dst_id) / "manifest.json").exists():
-            return 0
-        return KVStore(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
-    except (CacheInvalid, OSError):
-        shutil.rmtree(kv_root / str(dst_id), ignore_errors=True)
-        return 0
-
-
-def delete_conversation(store: Store, conv: Conversation, kv_root: Path | None = None,
-                        locks_dir: Path | None = None, lock_timeout: float = 60.0) -> None:
-    """Delete a conversation's messages, then its KV cache folder (no model needed), and the
-    shards this machine keeps of it for split runs (``cluster.Ring.kv_root``).
-
-    Under the conversation's lock: a turn running in another process finishes first, and
-    the next one sees the conversation gone (``Session._locked``) instead of writing into it.
-    """
-    lock = ConversationLock((locks_dir or paths.locks_dir()) / f"{conv.id}.lock", conv.name,
-                            lock_timeout)
-    with lock:
-        store.delete(conv)
-        root = kv_root or paths.kv_root()
-        shutil.rmtree(root / str(conv.id), ignore_errors=True)
-        for shards in budget.cache_roots(paths.kv_root())[1:]:
-            shutil.rmtree(shards / str(conv.id), ignore_errors=True)
+Donor = tuple[KVStore, Manifest, int]  # a stored cache, its manifest, the usable length
 
 
 class Sharing:
-    """``Session``'s sharing side; expects ``engine``, ``store``, ``kv_root``, ``locks_dir``,
-    ``lock_timeout`` and ``_quant``."""
+    """Prefixes shared between the conversation caches under ``kv_root``."""
 
-    def _shareable_ends(self, conv: Conversation, fed: list[int]) -> tuple[int, ...]:
+    def __init__(self, engine, kv_root: Path):
+        self.engine = engine
+        self.kv_root = kv_root
+
+    def shareable_ends(self, conv: Conversation, fed: list[int]) -> tuple[int, ...]:
         """Where a new segment should end so that another conversation can link it whole:
         after the system prompt (a persona or a document many conversations start with)."""
         if not conv.system or self.engine.info().unknown:
@@ -100,7 +41,7 @@ class Sharing:
         return (n,) if n == len(head) else ()
 
     def find_donor(self, layout: Layout, tokens: list[int], exclude: str | None = None
-                   ) -> tuple[KVStore, Manifest, int] | None:
+                   ) -> Donor | None:
         """The stored cache (of any conversation, same model and settings) that gives the
         longest prefix of ``tokens``: (its store, manifest, usable length), or None.
 
@@ -127,11 +68,10 @@ class Sharing:
                 best = (kv, man, k)
         return best
 
-    def _adopt_shared(self, conv: Conversation, kv: KVStore, tokens: list[int]
-                      ) -> Manifest | None:
-        """Link the best donor's prefix into ``conv``'s empty cache folder; its manifest."""
-        layout = self.engine.layout(self._quant(conv))
-        donor = self.find_donor(layout, tokens, exclude=str(conv.id))
+    def adopt(self, kv: KVStore, layout: Layout, tokens: list[int]) -> Manifest | None:
+        """Link the best donor's prefix of ``tokens`` into the empty folder ``kv``; the
+        manifest it then holds, or None (no donor, or one that changed under us)."""
+        donor = self.find_donor(layout, tokens, exclude=kv.folder.name)
         if donor is None:
             return None
         src, man, k = donor
@@ -143,13 +83,30 @@ class Sharing:
             kv.clear()  # a donor changing under us only costs the sharing
             return None
 
-    def fork(self, conv: Conversation, name: str, at: int | None = None
-             ) -> tuple[Conversation, int]:
-        """A new conversation ``name`` with ``conv``'s first ``at`` messages (all if None),
-        sharing ``conv``'s cache files, on every rank; (the fork, cache bytes written)."""
-        new, written = fork_conversation(self.store, conv, name, at, self.kv_root,
-                                         self.locks_dir, self.lock_timeout)
-        if at != 0:
-            self.group.command("fork", source=conv.id, fork=new.id)
-            self.group.finish()
-        return new, written
+
+class NoSharing:
+    """``Sharing`` where it cannot work (a model split over ranks): nothing is shared."""
+
+    def shareable_ends(self, conv: Conversation, fed: list[int]) -> tuple[int, ...]:
+        return ()
+
+    def find_donor(self, layout: Layout, tokens: list[int], exclude: str | None = None
+                   ) -> Donor | None:
+        return None
+
+    def adopt(self, kv: KVStore, layout: Layout, tokens: list[int]) -> Manifest | None:
+        return None
+
+
+def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
+    """Make conversation ``dst_id``'s empty cache folder share ``src_id``'s files (all its
+    tokens); bytes written. Any failure only costs the next turn a prefill."""
+    src = KVStore(kv_root / str(src_id))
+    try:
+        man = src.manifest()
+        if man is None or (kv_root / str(dst_id) / "manifest.json").exists():
+            return 0
+        return KVStore(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
+    except (CacheInvalid, OSError):
+        shutil.rmtree(kv_root / str(dst_id), ignore_errors=True)
+        return 0

@@ -183,7 +183,7 @@ class Store:
         return self.get(fields.get("name", conv.name))
 
     def delete(self, conv: Conversation) -> None:
-        """Delete a conversation and its messages (``session.delete_conversation`` also
+        """Delete a conversation and its messages (``Conversations.delete`` also
         removes its KV cache)."""
         self._write("DELETE FROM conversations WHERE id = ?", (conv.id,))
 
@@ -314,8 +314,12 @@ def check_schema(db: sqlite3.Connection, path: Path) -> None:
             not the ones the migrations make; sqlite3.DatabaseError for a file that is not
             SQLite at all.
     """
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    db.execute("BEGIN")  # one snapshot: another process may be making the tables right now
+    try:
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        db.execute("COMMIT")
     if version > len(MIGRATIONS):
         raise StorageError(f"{path} was made by a newer localchat (schema {version}, this one "
                            f"knows {len(MIGRATIONS)}): upgrade localchat, or set "

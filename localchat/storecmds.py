@@ -98,11 +98,11 @@ def cmd_export(args) -> int:
 
 def cmd_rm(args) -> int:
     """Delete a conversation, its messages and its KV cache."""
-    from .session import delete_conversation
+    from .conversations import Conversations
 
     store = open_store()
     conv = store.get(args.name)
-    delete_conversation(store, conv)
+    Conversations.at_home(store).delete(conv)
     print(f"deleted {conv.name}", file=sys.stderr)
     return 0
 
@@ -113,11 +113,11 @@ def cmd_fork(args) -> int:
     No model is loaded and no K/V is copied: the cache files are hard links, so forking
     writes only a manifest, and NEW's next turn prefills only its new message.
     """
-    from .session import fork_conversation
+    from .conversations import Conversations
 
     store = open_store()
     conv = store.get(args.name)
-    new, written = fork_conversation(store, conv, args.new, args.at)
+    new, written = Conversations.at_home(store).fork(conv, args.new, args.at)
     n = len(store.messages(new))
     print(f"forked {conv.name} -> {new.name} ({n} messages, {human_bytes(written)} written)",
           file=sys.stderr)

@@ -1,12 +1,14 @@
-"""Where a turn's cache starts and what it leaves on disk: a mixin of ``Session``.
+"""Where a turn's cache starts and what it leaves on disk: one part of a ``Session``.
 
-What it is: reading a conversation's cache back (``_prior``: the manifest and its token list;
-``_start``: the cache object at the position the turn resumes from, from memory or disk) and
-writing it after the turn (``_persist``). Split over ranks (``cluster.py``), each rank reads its
-own shard and the ranks agree before using it (``_prior``, ``_agree``). What it is not: the
-turn itself (``session.py``) or the file format (``kvstore.py``).
+What it is: ``TurnCache`` reads a conversation's cache back (``prior``: the manifest and its
+token list; ``start``: the cache object at the position the turn resumes from, from memory
+or disk), writes it after the turn (``persist``), and keeps the last conversation's cache in
+memory between turns (``live``). Split over ranks (``cluster/``), each rank reads its own
+shard and the ranks agree through the group before using it; with one process the group's
+agreements are the local values. What it is not: the turn itself (``session.py``), the file
+format (``kvcache/``), or which other conversation can lend a prefix (``kvcache/sharing``).
 
-Resuming (see ``cachekinds.py``): the cached token list ``C`` and the new rendering ``T``
+Resuming (see ``kvcache/kinds.py``): the cached token list ``C`` and the new rendering ``T``
 share a prefix of length k. Growing layers are cut to any position; bounded layers only come
 back at a checkpoint, so a turn resumes from p = the latest checkpoint ≤ k (p = k when every
 layer grows). Checkpoints are taken at the end of each prompt's prefill (one token before the
@@ -17,23 +19,30 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 from . import budget
 from . import cachekinds as ck
-from .errors import StorageError
-from .kvstore import KEEP_CHECKPOINTS, CacheInvalid, KVStore, Manifest, common_prefix
+from .kvstore import (
+    KEEP_CHECKPOINTS,
+    CacheInvalid,
+    KVStore,
+    Layout,
+    Manifest,
+    common_prefix,
+)
 from .store import Conversation
 
 HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place
 
 
 @dataclass
-class _Live:
+class Live:
     """The cache of the last conversation this process ran, kept in memory between turns.
 
     ``cache`` holds exactly ``tokens``. Its first ``on_disk`` tokens are the manifest's; a
-    draft prefilled before Enter (``Session.prefill_draft``) adds more, in memory only.
+    draft prefilled before Enter (``Drafts.prefill``) adds more, in memory only.
     """
 
     conversation_id: int
@@ -48,10 +57,20 @@ class _Live:
             self.on_disk = len(self.tokens)
 
 
+@dataclass(frozen=True)
+class Prior:
+    """What a conversation's folder holds before a turn: its cached token list (also read
+    with ``--no-cache``: it aligns the rendering), its manifest if usable, and a note."""
+
+    tokens: list[int] | None
+    manifest: Manifest | None
+    note: str = ""  # "", "new conversation", "cache rebuilt: …", …
+
+
 @dataclass
-class _Start:
-    """Where a turn starts: the conversation's token list, the cache holding its first
-    ``pos`` tokens, and why anything before the new message is prefilled again."""
+class Start:
+    """Where a turn starts: the cache holding the first ``pos`` tokens of the rendering, and
+    why anything before the new message is prefilled again."""
 
     cache: list
     pos: int
@@ -60,98 +79,113 @@ class _Start:
     fallback: str = ""  # bounded layers resumed from a checkpoint before that point
     draft: int = 0  # of ``pos``: tokens past the disk's, prefilled as a draft before Enter
 
+    @property
+    def damaged(self) -> bool:
+        return self.changed.startswith(("cache rebuilt", "cache partly rebuilt"))
 
-@dataclass
-class _Run:
-    """What a turn's prefill and decode produced so far (read when it is cut short)."""
 
-    generated: list[int] = field(default_factory=list)
-    reply: str = ""
-    stopped: bool = False
-    logits_ready: bool = False
-    prefill_s: float = 0.0
-    t_first: float | None = None
-    t_last: float | None = None  # when the last token came (decode speed ends there)
-    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
-    checkpoints: list[ck.Captured] = field(default_factory=list)
+def quant_of(conv: Conversation) -> ck.KVQuant | None:
+    """The conversation's KV cache quantization setting (None: stored as computed)."""
+    return ck.KVQuant(conv.kv_bits, conv.kv_group) if conv.kv_bits else None
 
 
 class TurnCache:
-    """``Session``'s cache side; expects ``engine``, ``group``, ``store``, ``kv_root``,
-    ``locks_dir``, ``split``, ``_live``, ``_quant`` and ``_shareable_ends``."""
+    """The caches of one engine's conversations under ``kv_root`` (this rank's folder)."""
 
-    def _prior(self, conv: Conversation, kv: KVStore, no_cache: bool, *, draft: bool = False
-               ) -> tuple[list[int] | None, Manifest | None, str]:
-        """(the conversation's cached token list, its valid manifest, a note).
-
-        Split over ranks, each rank reads its own shard; they are used only if every rank
-        holds a valid one for the same tokens (else all rebuild together), so every rank
-        renders the same token ids.
+    def __init__(self, engine, kv_root: Path, budget_home: tuple[Path, Path]):
         """
-        prior, man, note = self._prior_local(conv, kv, no_cache, draft=draft)
-        if not self.split:
-            return prior, man, note
-        digest = hashlib.sha256(f"{man is not None}:{prior}".encode()).digest()
-        rows = self.group.gather([int.from_bytes(digest[:7], "little")])
-        if all(r == rows[0] for r in rows):
-            return prior, man, note
-        self._live = None
-        kv.clear()
+        Args:
+            engine: the loaded model; ``engine.group`` is the ranks it is split over.
+            kv_root: this rank's folder of conversation caches.
+            budget_home: the data folder's cache root and locks, over which the disk budget
+                is enforced after each write (every rank's folder counts together).
+        """
+        self.engine = engine
+        self.group = engine.group
+        self.kv_root = kv_root
+        self.budget_home = budget_home
+        self.live: Live | None = None
+
+    def kvstore(self, conv: Conversation | int) -> KVStore:
+        return KVStore(self.kv_root / str(conv.id if isinstance(conv, Conversation) else conv))
+
+    def layout(self, conv: Conversation) -> Layout:
+        return self.engine.layout(quant_of(conv))
+
+    def forget(self, conversation_id: int | None = None) -> None:
+        """Drop the cache held in memory (of ``conversation_id`` only, when given)."""
+        if conversation_id is None or (self.live and self.live.conversation_id ==
+                                       conversation_id):
+            self.live = None
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def prior(self, conv: Conversation, no_cache: bool, *, draft: bool = False) -> Prior:
+        """The conversation's cached token list and valid manifest, on every rank.
+
+        Each rank reads its own folder; the result is used only if every rank holds a valid
+        one for the same tokens (else all rebuild together), so every rank renders the same
+        token ids. ``draft``: for a draft prefill, which writes nothing: an invalid cache is
+        left for the turn to clear (and to say why).
+        """
+        kv = self.kvstore(conv)
+        prior = self._prior_here(conv, kv, no_cache, draft)
+        digest = hashlib.sha256(f"{prior.manifest is not None}:{prior.tokens}".encode())
+        rows = self.group.gather([int.from_bytes(digest.digest()[:7], "little")])
         odd = [str(i) for i, r in enumerate(rows) if r != rows[0]]
-        return None, None, (f"cache rebuilt: the shard of rank {', '.join(odd)} does not match "
-                            "rank 0's (damaged, missing or behind)")
+        if not odd:
+            return prior
+        self.live = None
+        kv.clear()
+        return Prior(None, None, f"cache rebuilt: the shard of rank {', '.join(odd)} does not "
+                     "match rank 0's (damaged, missing or behind)")
 
-    def _prior_local(self, conv: Conversation, kv: KVStore, no_cache: bool, *,
-                     draft: bool = False) -> tuple[list[int] | None, Manifest | None, str]:
-        """``_prior`` of this process's own cache folder.
-
-        The token list also aligns the rendering (``Engine.render``), so ``--no-cache`` reads
-        it too and only ignores the K/V. ``draft``: for ``prefill_draft``, which writes
-        nothing: an invalid cache is left for the turn to clear (and to say why).
-        """
-        live = self._live
+    def _prior_here(self, conv: Conversation, kv: KVStore, no_cache: bool,
+                    draft: bool) -> Prior:
+        """``prior`` of this process's own folder."""
+        live = self.live
         try:
-            man = kv.checked_manifest(self.engine.layout(self._quant(conv)))
+            man = kv.checked_manifest(self.layout(conv))
         except CacheInvalid as err:
             if not draft:
                 kv.clear()
-            self._live = None
-            return None, None, f"cache rebuilt: {err}"
+            self.live = None
+            return Prior(None, None, f"cache rebuilt: {err}")
         except OSError as err:
-            return None, None, f"cache rebuilt: {err.strerror or err}"
+            return Prior(None, None, f"cache rebuilt: {err.strerror or err}")
         if no_cache:
-            self._live = None
+            self.live = None
             kv.clear()  # a fresh cache is written at the end of the turn
-            return (man.tokens if man else None), None, "cache ignored (--no-cache)"
+            return Prior(man.tokens if man else None, None, "cache ignored (--no-cache)")
+        fingerprint = self.engine.cache_fingerprint
         if man is None:
             # Memory may hold a draft of this new conversation (nothing of it on disk).
             if not (live and live.conversation_id == conv.id and live.on_disk == 0
-                    and live.fingerprint == self.engine.cache_fingerprint):
-                self._live = None
+                    and live.fingerprint == fingerprint):
+                self.live = None
             if self.engine.info().unknown:
-                return None, None, "this model's cache is not kept"
-            return None, None, ("cache rebuilt: no cache on disk" if conv.tokens > 0
-                                else "new conversation")
+                return Prior(None, None, "this model's cache is not kept")
+            return Prior(None, None, "cache rebuilt: no cache on disk" if conv.tokens > 0
+                         else "new conversation")
         # Trust memory only if the disk still agrees (another process may have moved on);
         # memory may hold more: a draft prefilled before Enter.
         if not (live and live.conversation_id == conv.id and live.on_disk == len(man.tokens)
                 and live.tokens[:live.on_disk] == man.tokens
-                and live.fingerprint == self.engine.cache_fingerprint):
-            self._live = None
-        return man.tokens, man, ""
+                and live.fingerprint == fingerprint):
+            self.live = None
+        return Prior(man.tokens, man)
 
-    def _start(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
-               no_cache: bool, *, draft: bool = False) -> _Start:
-        """The cache to prefill from (``_start_local``), at a token every rank resumes at."""
-        start = self._start_local(kv, prior, man, tokens, no_cache, draft=draft)
-        return self._agree(start) if self.split else start
+    def start(self, conv: Conversation, prior: Prior, tokens: list[int], no_cache: bool, *,
+              draft: bool = False) -> Start:
+        """The cache to prefill ``tokens`` from, at a token every rank resumes at."""
+        return self.agree(self._start_here(conv, prior, tokens, no_cache, draft))
 
-    def _agree(self, start: _Start) -> _Start:
-        """Split over ranks: every rank resumes at the same token, the lowest any rank can
-        (a rank whose cache was cut short, or whose layers resume only at checkpoints);
-        a rank that cannot go back there makes every rank start from zero."""
-        damaged = start.changed.startswith(("cache rebuilt", "cache partly rebuilt"))
-        rows = self.group.gather([start.pos, 2 if damaged else 1 if start.fallback else 0])
+    def agree(self, start: Start) -> Start:
+        """Every rank resumes at the same token, the lowest any rank can (a rank whose cache
+        was cut short, or whose layers resume only at checkpoints); a rank that cannot go
+        back there makes every rank start from zero. One process: ``start`` as it is."""
+        rows = self.group.gather([start.pos, 2 if start.damaged else 1 if start.fallback
+                                  else 0])
         p, was = min(r[0] for r in rows), start.pos
         why = max(r[1] for r in rows if r[0] == p)
         ok = True
@@ -180,27 +214,28 @@ class TurnCache:
                                       f"back (rank {odd}'s layers cannot be cut there)")
         if self.group.agree_all(ok):
             return start
-        self._live = None
-        return _Start(self.engine.new_cache(), 0, {},
-                      "cache rebuilt: the ranks' shards cannot resume at the same token")
+        self.live = None
+        return Start(self.engine.new_cache(), 0, {},
+                     "cache rebuilt: the ranks' shards cannot resume at the same token")
 
-    def _start_local(self, kv: KVStore, prior, man: Manifest | None, tokens: list[int],
-                     no_cache: bool, *, draft: bool = False) -> _Start:
+    def _start_here(self, conv: Conversation, prior: Prior, tokens: list[int],
+                    no_cache: bool, draft: bool) -> Start:
         """The cache to prefill from: memory when it holds this conversation, else disk.
 
         Memory may hold more than the disk (``prior``): a draft prefilled before Enter. Its
         tokens count where they match ``tokens``; the rest of it is cut like any other.
         """
-        engine, live = self.engine, self._live
-        cached = live.tokens if live is not None else prior
+        engine, live, man, kv = self.engine, self.live, prior.manifest, self.kvstore(conv)
+        cached = live.tokens if live is not None else prior.tokens
         if not cached or no_cache or (man is None and live is None):
-            return _Start(engine.new_cache(), 0, {})
-        base = len(prior or ())  # what the disk holds
+            return Start(engine.new_cache(), 0, {})
+        base = len(prior.tokens or ())  # what the disk holds
         k = min(common_prefix(cached, tokens), len(tokens) - 1)
         changed = "" if k >= base else \
             f"re-rendered: the conversation differs {base - k} tokens back"
         fallback = ""
-        if not engine.layout().has_bounded:
+        bounded = engine.layout().has_bounded
+        if not bounded:
             p, snap = k, None
         else:
             held = dict(live.checkpoints) if live else {}
@@ -213,13 +248,13 @@ class TurnCache:
                 fallback = (f"resumed from the checkpoint {min(k, base) - p} tokens back "
                             "(this model's cache cannot be cut there)")
         if p == 0:
-            return _Start(engine.new_cache(), 0, {}, changed, fallback)
+            return Start(engine.new_cache(), 0, {}, changed, fallback)
         try:
             if live is not None:
                 cache = live.cache
                 if p < len(live.tokens):
                     ck.trim_growing(cache, p)
-                    if snap is None and engine.layout().has_bounded:
+                    if snap is None and bounded:
                         snap = kv.load_checkpoint(man.checkpoint_at_most(p))
                     if snap is not None:
                         ck.restore(cache, snap)
@@ -228,25 +263,24 @@ class TurnCache:
                                if q <= p and (q <= base or q == p or draft)}
             else:
                 try:
-                    cache, checkpoints = self._load(kv, man, p)
+                    cache, checkpoints = self.load(kv, man, p)
                 except CacheInvalid as err:
                     # A damaged segment spoils only what it covers: resume before it.
                     ckpt = man.checkpoint_at_most(err.usable)
-                    q = err.usable if not engine.layout().has_bounded else (
-                        ckpt.pos if ckpt else 0)
+                    q = err.usable if not bounded else (ckpt.pos if ckpt else 0)
                     if q <= 0:
                         raise
-                    cache, checkpoints = self._load(kv, man, q)
+                    cache, checkpoints = self.load(kv, man, q)
                     changed = f"cache partly rebuilt: {err}; {q} tokens reused"
                     p, fallback = q, ""
         except CacheInvalid as err:
             if not draft:  # a draft writes nothing: the turn clears it
                 kv.clear()
-            self._live = None
-            return _Start(engine.new_cache(), 0, {}, f"cache rebuilt: {err}")
-        return _Start(cache, p, checkpoints, changed, fallback, max(0, p - base))
+            self.live = None
+            return Start(engine.new_cache(), 0, {}, f"cache rebuilt: {err}")
+        return Start(cache, p, checkpoints, changed, fallback, max(0, p - base))
 
-    def _load(self, kv: KVStore, man: Manifest, p: int) -> tuple[list, dict]:
+    def load(self, kv: KVStore, man: Manifest, p: int) -> tuple[list, dict]:
         """A fresh cache holding the first ``p`` tokens of a stored one (growing layers from
         segments, bounded ones from the checkpoint at ``p``), and that checkpoint."""
         engine = self.engine
@@ -262,46 +296,38 @@ class TurnCache:
             checkpoints[p] = snap
         return cache, checkpoints
 
-    def _persist(self, conv, kv: KVStore, fed_candidates: list[int], start: _Start, run,
-                 partial: bool, notices: list[str] | None = None) -> int:
-        """Save the reply, then write the cache (segments, checkpoints, manifest). Returns
-        bytes written.
+    # -- writing ---------------------------------------------------------------------------
 
-        The reply goes first: it is what the user cannot get back, while a cache that is not
-        written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
-        the previous manifest still describes valid files.
+    def persist(self, conv: Conversation, fed: list[int], start: Start,
+                checkpoints: list[ck.Captured], ends: tuple[int, ...] = ()) -> tuple[int, str]:
+        """Write the cache of ``fed`` (the tokens the cache now holds) and keep it in memory.
+
+        Positions from ``start.pos`` on were computed this turn; memory holds those
+        (quantized as they are stored), so the disk copy is rewritten to match. ``ends``:
+        where a new segment should end so that another conversation can link it whole.
+
+        Returns:
+            (bytes written, "" or a one-line notice when the cache could not be written:
+            full disk, read-only or vanished folder; the next turn rebuilds it).
         """
-        if run.reply:  # an empty reply (stopped before any text) is not worth a message
-            self.store.add_message(conv, "assistant", run.reply, partial=partial)
-        cache = start.cache
-        n = run.fed
-        fed = fed_candidates[:n]
-        written = 0
-        if not self.engine.info().unknown:
-            quant = self._quant(conv)
-            layout = self.engine.layout(quant)
-            encode = None
-            if quant is not None:
-                def encode(a: int, b: int) -> dict:
-                    return ck.quantize_growing(cache, layout.growing, a, b, quant)
-            try:
-                # Positions from the resume point on were computed this turn; memory holds
-                # those (quantized as they are stored), so the disk copy is rewritten to match.
-                written = kv.commit(layout, fed, cache, run.checkpoints, start.pos, encode,
-                                    self._shareable_ends(conv, fed))
-                budget.enforce(*self.budget_home, budget.cache_limit(self.budget_home[0]),
-                               keep={str(conv.id)})
-                held = {**start.checkpoints, **{c.pos: c for c in run.checkpoints}}
-                # Memory keeps what the disk keeps: the newest few (a long chat must not grow).
-                held = dict(sorted(held.items())[-KEEP_CHECKPOINTS:])
-                self._live = _Live(conv.id, layout.fingerprint, fed, cache, held)
-            except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this
-                self._live = None
-                if notices is not None:
-                    notices.append(f"cache not saved ({err.strerror or err}); "
-                                   "it will be rebuilt")
+        if self.engine.info().unknown:
+            return 0, ""
+        cache, kv = start.cache, self.kvstore(conv)
+        quant = quant_of(conv)
+        layout = self.engine.layout(quant)
+        encode = None
+        if quant is not None:
+            def encode(a: int, b: int) -> dict:
+                return ck.quantize_growing(cache, layout.growing, a, b, quant)
         try:
-            self.store.update(conv, tokens=n)
-        except StorageError:
-            pass  # the token count only feeds `localchat list`
-        return written
+            written = kv.commit(layout, fed, cache, checkpoints, start.pos, encode, ends)
+            root, locks = self.budget_home
+            budget.enforce(root, locks, budget.cache_limit(root), keep={str(conv.id)})
+        except OSError as err:  # files.write_tensors turns MLX's RuntimeError into this
+            self.live = None
+            return 0, f"cache not saved ({err.strerror or err}); it will be rebuilt"
+        held = {**start.checkpoints, **{c.pos: c for c in checkpoints}}
+        # Memory keeps what the disk keeps: the newest few (a long chat must not grow).
+        held = dict(sorted(held.items())[-KEEP_CHECKPOINTS:])
+        self.live = Live(conv.id, layout.fingerprint, fed, cache, held)
+        return written, ""

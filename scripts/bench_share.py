@@ -32,7 +32,7 @@ def main() -> None:
     from localchat import backend
 
     backend.prepare()
-    from localchat.session import Session, TurnOptions, fork_conversation, open_session
+    from localchat.session import Session, TurnOptions, open_session
 
     session = open_session(args.model)
     engine = session.engine
@@ -59,7 +59,7 @@ def main() -> None:
     for m in benchlib.filler_messages(engine, 4096):
         session.store.add_message(long, m["role"], m["content"])
     list(fresh().turn(long, "Noted?", TurnOptions(max_tokens=4)))
-    fork, written = fork_conversation(session.store, session.store.get("long"), "long-fork")
+    fork, written = session.conversations.fork(session.store.get("long"), "long-fork")
     nxt = list(fresh().turn(fork, "And the next day?", TurnOptions(max_tokens=4)))[-1].usage
     s, a = benchlib.median(shared), benchlib.median(alone)
     print(f"# shared prefixes and forks · {engine.ref.name} · {benchlib.machine()} · "

@@ -156,7 +156,7 @@ def test_generated_text_is_shown_literally_typed_and_restarted(home, engine, tex
 async def test_the_app_follows_other_processes(home, engine):
     """Deleted, renamed, extended from another process: the app shows it within a poll,
     and no turn is written into a deleted conversation."""
-    from localchat.session import delete_conversation
+    from localchat.conversations import Conversations
 
     app = app_for(engine, ["first", "second"])
     async with app.run_test(size=(120, 40)) as pilot:
@@ -171,7 +171,7 @@ async def test_the_app_follows_other_processes(home, engine):
         assert "renamed-elsewhere" in sidebar_names(app)
         assert [shown(m) for m in app.query(UserMessage)] == ["hello", "from ask"]
         # Deleted while a message waits in the box: Enter keeps the text, nothing is written.
-        delete_conversation(other, other.get("renamed-elsewhere"))
+        Conversations.at_home(other).delete(other.get("renamed-elsewhere"))
         # The same id and name given to a new conversation must not take the app's turn.
         twin = other.create("renamed-elsewhere", mine.model)
         composer = app.query_one(Composer)
@@ -187,12 +187,10 @@ async def test_the_app_follows_other_processes(home, engine):
 
 def test_a_turn_never_writes_into_a_deleted_conversation(session, store, engine):
     from localchat.errors import ConversationNotFound
-    from localchat.session import delete_conversation
-
     conv = session.conversation("gone")
     for _ in session.turn(conv, "hello"):
         pass
-    delete_conversation(store, store.get("gone"))
+    session.conversations.delete(store.get("gone"))
     twin = store.create("gone", conv.model)  # may reuse the id
     with pytest.raises(ConversationNotFound, match="deleted by another"):
         for _ in session.turn(conv, "still there?"):

@@ -1,6 +1,6 @@
 """Draft prefill: an unsent message prefilled while it is typed gives the very same reply.
 
-Each check prefills a draft (``Session.prefill_draft``), sends it (or an edit of it), and
+Each check prefills a draft (``Drafts.prefill``), sends it (or an edit of it), and
 compares the reply with a twin whose turn is a full prefill; and checks that a draft writes
 nothing to the database or the disk before it is sent.
 """
@@ -20,7 +20,7 @@ LONG = " ".join(CORPUS[:6]) + " The museum opens at nine and the guided tour sta
 
 def prefill(session, conv, text, cancel=None):
     """Every DraftProgress of one draft prefill."""
-    return list(session.prefill_draft(conv, text, cancel or Cancel()))
+    return list(session.drafts.prefill(conv, text, cancel or Cancel()))
 
 
 def disk_state(store, conv) -> tuple:
@@ -107,7 +107,7 @@ def test_an_edited_draft_keeps_the_prefix_and_a_stop_resumes(store, engine, sess
     cancel = Cancel()
     longer = edited + " " + LONG
     stopped = []
-    for ev in session.prefill_draft(conv, longer, cancel):
+    for ev in session.drafts.prefill(conv, longer, cancel):
         stopped.append(ev)
         if len(stopped) == 2:
             cancel.set()

@@ -1,19 +1,25 @@
 """The app's commands (key bindings and the command palette): stop, new, regenerate, edit,
 rename, delete, branch, system prompt, model, help. A mixin of ``LocalchatApp``; each acts on
 the app's current conversation and its session.
+
+The session belongs to the MLX thread: a delete or a branch goes through it (after a draft's
+chunk, never beside a turn); before a model is loaded there is no session, and the
+conversation operations run on the app's own database connection.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from textual import work
 from textual.app import SystemCommand
 from textual.screen import Screen
 
+from ..conversations import Conversations
 from ..errors import LocalchatError
 from ..fmt import visible
 from ..models import DEFAULT_MODEL, list_local
-from ..session import delete_conversation, fork_conversation
+from ..store import Conversation
 from .composer import Composer
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 
@@ -83,19 +89,39 @@ class Actions:
         conv = self.current
 
         def done(yes: bool | None) -> None:
-            if not yes:
-                return
-            if self.session is not None:
-                self.session.delete(conv)  # also drops the session's memory of its cache
-            else:
-                delete_conversation(self.store, conv)
-            convs = self.store.list()
-            nxt = convs[0] if convs else self.store.create(self.store.unique_name(), conv.model)
-            self.open_conversation(nxt)
-            self.notify(f"deleted {conv.name}")
+            if yes:
+                self.stop_draft()
+                self.busy = True
+                self.conversation_op(lambda ops: (ops.delete(conv), None)[1],
+                                     f"deleted {conv.name}")
 
         self.push_screen(ConfirmScreen(f"Delete conversation {conv.name!r} and its cache?"),
                          done)
+
+    @work(thread=True, group="conversation-ops")
+    def conversation_op(self, op, notice: str) -> None:
+        """Run ``op(ops)`` — ``ops`` the session (on the MLX thread: it also drops its memory
+        of a deleted cache, and tells the followers of a split model) or, before a model is
+        loaded, the conversations of the app's database — then open what it returns (None:
+        the newest conversation)."""
+        try:
+            if self.session is not None:
+                conv = self.mlx.call(op, self.session)
+            else:
+                conv = op(Conversations.at_home(self.store))
+        except LocalchatError as err:  # (a name taken, a busy conversation): stay where we are
+            self.call_from_thread(self.conversation_done, self.current, str(err), "error")
+            return
+        self.call_from_thread(self.conversation_done, conv, notice, "information")
+
+    def conversation_done(self, conv: Conversation | None, notice: str, severity: str) -> None:
+        self.busy = False
+        if conv is None:
+            convs = self.store.list()
+            conv = convs[0] if convs else self.store.create(
+                self.store.unique_name(), self.current.model if self.current else DEFAULT_MODEL)
+        self.open_conversation(conv)
+        self.notify(notice, severity=severity)
 
     def action_fork(self) -> None:
         """Branch the conversation here: a new one with the same messages, sharing the cache
@@ -105,18 +131,11 @@ class Actions:
         conv = self.current
 
         def done(name: str | None) -> None:
-            if not name or not name.strip():
-                return
-            try:
-                if self.session is not None:  # split over ranks: every rank's shard too
-                    new, _ = self.session.fork(conv, name.strip())
-                else:
-                    new, _ = fork_conversation(self.store, conv, name.strip())
-            except LocalchatError as err:
-                self.notify(str(err), severity="error")
-                return
-            self.open_conversation(new)
-            self.notify(f"branched {conv.name} into {new.name}")
+            if name and name.strip():
+                self.stop_draft()
+                self.busy = True
+                self.conversation_op(lambda ops: ops.fork(conv, name.strip())[0],
+                                     f"branched {conv.name} into {name.strip()}")
 
         self.push_screen(TextScreen("Branch from here: name of the new conversation",
                                     self.store.unique_name(f"{conv.name}-branch")), done)

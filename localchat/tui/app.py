@@ -325,7 +325,7 @@ class LocalchatApp(Actions, App):
         self._stream = MarkdownWidget.get_stream(reply)
         self.busy = True
         self._cancel = Cancel()
-        self.stop_draft()  # the turn starts from what it prefilled (Session.prefill_draft)
+        self.stop_draft()  # the turn starts from what it prefilled (Drafts.prefill)
         self.query_one(StatusBar).activity = "thinking…"
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
@@ -451,7 +451,7 @@ class LocalchatApp(Actions, App):
             conv = session.store.by_id(conv)
             if conv is None:
                 return  # deleted by another process; the app notices on its next poll
-            for progress in session.prefill_draft(conv, text, cancel):
+            for progress in session.drafts.prefill(conv, text, cancel):
                 self.post_message(DraftAdvanced(progress, cancel))
         except LocalchatError:
             pass  # the turn meets it too if the message is sent, and says so then
