@@ -18,10 +18,14 @@ A manifest is trusted only after three checks, all before any array is read:
    offset is the position, its write index within the window, …) and with the leaf's shapes.
 
 Loading a segment or checkpoint checks its size and CRC-32, then every array's name, shape
-and dtype against the layout. A checkpoint file also holds its own manifest entry (position,
-fields, dtypes: ``ENTRY``), because some of them cannot be derived from its arrays (where a
-recurrent state was taken, where a window writes next): an entry paired with another state
-is refused. Anything off raises ``CacheInvalid`` with a short reason; the caller rebuilds.
+and dtype against the layout. Each file also says what it was computed from, and that must
+be what the manifest says: a segment holds its positions' token ids (``TOKENS``), a
+checkpoint its manifest entry (position, fields, dtypes) and the CRC-32 of the token ids
+before it (``ENTRY``). Where a recurrent state was taken, where a window writes next, or
+which ids made some K/V cannot be told from the arrays themselves, and the renderer trusts
+the manifest's ids wherever they decode to the conversation's text (``Engine.render``): two
+byte tokens of a broken UTF-8 sequence both decode to "�". Anything off raises
+``CacheInvalid`` with a short reason; the caller rebuilds.
 
 Version 2 manifests (no checksum, looser checks) are not read: "cache rebuilt: cache format
 version 2 (this localchat reads 3)", then a full prefill writes version 3. It costs one
@@ -33,6 +37,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zlib
+from array import array
 from dataclasses import dataclass, field
 
 from .cachekinds import BOUNDED, KVQuant, LeafSpec, kind_named
@@ -41,6 +47,7 @@ FORMAT = "localchat-kv"
 VERSION = 3
 MANIFEST = "manifest.json"
 ENTRY = "entry"  # a checkpoint file's copy of its manifest entry (UTF-8 JSON, uint8)
+TOKENS = "tokens"  # a segment file's token ids (int32)
 DTYPES = ("float16", "bfloat16", "float32")  # K/V and states, in memory and stored
 MAX_TOKEN = 2**31  # no vocabulary is larger; token ids go to MLX as int32
 _FIELDS = {"format", "version", "checksum", "fingerprint", "dtype", "kv_bits", "kv_group",
@@ -122,8 +129,9 @@ class Checkpoint:
     nbytes: int
     meta: tuple[dict, ...]  # per bounded leaf: its non-array fields
     arrays: tuple[dict, ...]  # per bounded leaf: array name -> in-memory dtype
-    # The layout it was validated against (set when read from a manifest): what its arrays'
-    # shapes and dtypes are checked against when it is loaded.
+    # Not in the manifest, derived from it: the CRC-32 of the token ids before ``pos``
+    # (``ids_crc``), and the layout its arrays' shapes and dtypes are checked against.
+    ids: int = field(default=0, compare=False, repr=False)
     layout: Layout | None = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict:
@@ -132,7 +140,7 @@ class Checkpoint:
 
     def entry(self) -> bytes:
         """What the checkpoint file holds as ``ENTRY``."""
-        return entry_bytes(self.pos, self.meta, self.arrays)
+        return entry_bytes(self.pos, self.meta, self.arrays, self.ids)
 
     def shapes(self) -> list[dict[str, tuple[int, ...]]]:
         """Per bounded leaf, array name -> the shape it must have (needs ``layout``)."""
@@ -194,9 +202,15 @@ class Manifest:
         return max(fits, key=lambda c: c.pos) if fits else None
 
 
-def entry_bytes(pos: int, meta, arrays) -> bytes:
-    """A checkpoint's position, fields and dtypes as its file holds them (``ENTRY``)."""
-    return canonical({"pos": pos, "meta": list(meta), "arrays": list(arrays)})
+def entry_bytes(pos: int, meta, arrays, ids: int) -> bytes:
+    """A checkpoint's position, fields, dtypes and token ids' CRC-32 as its file holds them
+    (``ENTRY``)."""
+    return canonical({"pos": pos, "meta": list(meta), "arrays": list(arrays), "ids": ids})
+
+
+def ids_crc(tokens: list[int], crc: int = 0) -> int:
+    """CRC-32 of token ids as int32 (``crc``: of the ids before them)."""
+    return zlib.crc32(array("i", tokens).tobytes(), crc)
 
 
 _HEAD = '{"checksum":"'
@@ -266,9 +280,10 @@ def _parse(d: dict) -> Manifest:
     if pos != (n if layout.growing else 0):
         raise ValueError("segments do not cover the tokens")
 
-    ckpts, last = [], 0
+    ckpts, last, ids = [], 0, 0
     for c in _entries(d["checkpoints"], _CHECKPOINT, "checkpoints"):
         p = _int(c["pos"], "checkpoint position", last + 1, n)
+        ids = ids_crc(tokens[last:p], ids)
         meta, arrays = c["meta"], c["arrays"]
         bounded = layout.bounded
         if type(meta) is not list or type(arrays) is not list or \
@@ -279,7 +294,7 @@ def _parse(d: dict) -> Manifest:
         ckpts.append(Checkpoint(_name(c["file"], "ckpt"), p,
                                 _int(c["crc32"], "crc32", 0, 2**32 - 1),
                                 _int(c["nbytes"], "nbytes", 1), tuple(meta), tuple(arrays),
-                                layout))
+                                ids, layout))
         last = p
     files = [s.file for s in segs] + [c.file for c in ckpts]
     if len(set(files)) != len(files):

@@ -6,11 +6,13 @@ Layout of a conversation folder (format version 3)::
                             its own checksum
     seg-000001.safetensors  K and V of positions [a, b) of every growing leaf, sliced exactly:
                             "k.J" [heads, b - a, key width] and "v.J" [heads, b - a, value
-                            width] for the J-th growing leaf (widths differ for MLA)
+                            width] for the J-th growing leaf (widths differ for MLA), and
+                            "tokens" [b - a]: the ids they were computed from
     ckpt-000001.safetensors the bounded leaves' exact state at one token position (sliding
                             windows, recurrent states): "I.NAME" per leaf and array; their
-                            other fields in the manifest, and that manifest entry again as
-                            "entry" (so an entry cannot be paired with another state)
+                            other fields in the manifest, and that manifest entry again
+                            with the CRC-32 of the token ids before it as "entry" (so an
+                            entry cannot be paired with another state)
 
 Which leaf is which comes from ``cachekinds.py``; the manifest records the model's layout
 (every leaf's class, kind and shapes), so a cache is used only by the model that made it.
@@ -49,6 +51,7 @@ from .kvformat import (  # noqa: F401 - the format's names are used through this
     ENTRY,
     FORMAT,
     MANIFEST,
+    TOKENS,
     VERSION,
     CacheInvalid,
     Checkpoint,
@@ -57,6 +60,7 @@ from .kvformat import (  # noqa: F401 - the format's names are used through this
     Segment,
     common_prefix,
     entry_bytes,
+    ids_crc,
     read_safetensors,
 )
 
@@ -131,6 +135,10 @@ class KVStore:
                 try:
                     arrays = read_safetensors(next(reads), seg.file)
                     n = seg.end - seg.start
+                    ids = arrays.get(TOKENS)
+                    if ids is None or ids.dtype_name != "int32" or ids.shape != (n,) or \
+                            ids.array.tolist() != man.tokens[seg.start : seg.end]:
+                        raise CacheInvalid(f"segment {seg.file} holds other token ids")
                     for j, spec in enumerate(specs):
                         parts[j].append(tuple(
                             self._side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file,
@@ -284,20 +292,21 @@ class KVStore:
                     try:
                         new = self._cut_segment(seg, k, taken)
                     except CacheInvalid:  # damaged since it was read: write what memory has
-                        new = self._write_segment(layout, cache, seg.start, k, taken, encode)
+                        new = self._write_segment(layout, cache, tokens, seg.start, k, taken,
+                                                  encode)
                     written += new.nbytes
                     keep.append(new)
             pos = keep[-1].end if keep else 0
             cuts = sorted({c for c in split_at if pos < c < len(tokens)} | {len(tokens)})
             for end in cuts if pos < len(tokens) else []:
-                new = self._write_segment(layout, cache, pos, end, taken, encode)
+                new = self._write_segment(layout, cache, tokens, pos, end, taken, encode)
                 written += new.nbytes
                 keep.append(new)
                 pos = end
         ckpts = {c.pos: c for c in (old.checkpoints if old else []) if c.pos <= k}
         for snap in sorted(new_checkpoints, key=lambda s: s.pos)[-KEEP_CHECKPOINTS:]:
             if 0 < snap.pos <= len(tokens) and snap.pos not in ckpts:
-                ckpts[snap.pos] = self._write_checkpoint(layout, snap, taken)
+                ckpts[snap.pos] = self._write_checkpoint(layout, snap, tokens, taken)
                 written += ckpts[snap.pos].nbytes
         kept_ckpts = [ckpts[p] for p in sorted(ckpts)[-KEEP_CHECKPOINTS:]]
         man = Manifest(layout, list(tokens), keep, kept_ckpts)
@@ -343,8 +352,8 @@ class KVStore:
             pass
         self.remove_strays(set())
 
-    def _write_segment(self, layout: Layout, cache: list, start: int, end: int,
-                       taken: set[str], encode=None) -> Segment:
+    def _write_segment(self, layout: Layout, cache: list, tokens: list[int], start: int,
+                       end: int, taken: set[str], encode=None) -> Segment:
         import mlx.core as mx
 
         from .cachekinds import GROWING, growing_kv, kind_of, leaves
@@ -358,6 +367,7 @@ class KVStore:
             for j, obj in enumerate(growing):
                 k, v = growing_kv(obj, start, end)
                 tensors[f"k.{j}"], tensors[f"v.{j}"] = k.astype(dtype), v.astype(dtype)
+        tensors[TOKENS] = mx.array(tokens[start:end], dtype=mx.int32)
         name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
         return Segment(name, start, end, crc, nbytes)
 
@@ -371,13 +381,13 @@ class KVStore:
         n = end - seg.start
         tensors = {}
         for name, stored in arrays.items():
-            arr = mx.array(stored.array[:, :n])
+            arr = mx.array(stored.array[:n] if name == TOKENS else stored.array[:, :n])
             tensors[name] = arr.view(mx.bfloat16) if stored.dtype_name == "bfloat16" else arr
         name, crc, nbytes = write_tensors(into or self.folder, "seg", tensors, taken)
         return Segment(name, seg.start, end, crc, nbytes)
 
-    def _write_checkpoint(self, layout: Layout, snap: Captured, taken: set[str]
-                          ) -> Checkpoint:
+    def _write_checkpoint(self, layout: Layout, snap: Captured, tokens: list[int],
+                          taken: set[str]) -> Checkpoint:
         import mlx.core as mx
         import numpy as np
 
@@ -390,10 +400,11 @@ class KVStore:
                 exact16 = arr.dtype == mx.float32 and name in ("keys", "values")
                 tensors[f"{i}.{name}"] = arr.astype(mx.float16) if exact16 else arr
             names.append(kinds)
-        entry = entry_bytes(snap.pos, snap.meta, names)
+        ids = ids_crc(tokens[: snap.pos])
+        entry = entry_bytes(snap.pos, snap.meta, names, ids)
         tensors[ENTRY] = mx.array(np.frombuffer(entry, dtype=np.uint8))
         name, crc, nbytes = write_tensors(self.folder, "ckpt", tensors, taken)
-        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names), layout)
+        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names), ids, layout)
 
     def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():

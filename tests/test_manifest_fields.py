@@ -1,0 +1,323 @@
+"""A damaged manifest never changes a reply: every field of it, changed one at a time.
+
+For a growing-only model (llama: KVCache), a sliding-window one (gemma3_text: RotatingKVCache
+and KVCache) and a hybrid one (qwen3_next: ArraysCache and KVCache), three turns are stored;
+then every node of the manifest's JSON (every key, every list element and its every key, a
+sample of the token ids, the checksum) is changed one at a time: a digit, +1 / -1, another
+type, removed, emptied, a path instead of a file name. Each change runs the fourth turn from
+a copy of the cache folder, in two modes:
+
+- ``damaged``: the checksum left as it was (what one flipped digit on disk does);
+- ``resealed``: the checksum made right again (what a buggy writer would produce): the field
+  checks themselves must catch it, or the cache must still be right.
+
+Every case must give the reply that the same turn gives with ``--no-cache`` on the same copy
+(a full prefill of the very token ids the turn renders). Unless the change is to the token ids
+alone (the conversation's own record of its tokenization, which ``--no-cache`` renders with
+too), that reply must be the undamaged conversation's, or the turn must say "cache rebuilt" /
+"cache partly rebuilt". The cache the turn leaves must load whole. Counts per model and mode
+are printed (``pytest -s``) as one JSON line each.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from families import build_family
+from twins import run_turn
+
+from localchat.engine import Engine
+from localchat.kvformat import MANIFEST, canonical, seal
+from localchat.kvstore import CacheInvalid, KVStore
+from localchat.session import Session
+from localchat.store import Store
+
+HISTORY = ["Hello there, how are you today? Tell me about Seoul.",
+           "What is the capital of France?", "And Korea? 안녕하세요"]
+NEXT = "Thanks, tell me more about caches please."
+MODELS = ["llama", "gemma3_text", "qwen3_next"]
+REBUILT = ("cache rebuilt", "cache partly rebuilt")
+
+
+@dataclass
+class World:
+    """One model's stored conversation, its pristine cache folder and reference replies."""
+
+    engine: Engine
+    store: Store
+    home: Path
+    conv: object
+    next_seq: int  # seq of the message the case's turn adds first
+    pristine: Path  # a copy of the cache folder after the history
+    body: dict  # the pristine manifest without its checksum
+    checksum: str
+    ok: tuple  # --no-cache reply of the undamaged copy
+    fresh: tuple  # --no-cache reply with no token list at all (what a rejected manifest gives)
+
+    @property
+    def folder(self) -> Path:
+        return self.home / "kv" / str(self.conv.id)
+
+    def session(self) -> Session:
+        return Session(self.store, self.engine, self.home / "kv", self.home / "locks")
+
+    def no_cache(self, manifest: str | None) -> tuple:
+        """The next turn's reply on a twin holding ``manifest`` (None: none), fully prefilled."""
+        twin = self.store.create(f"twin-{len(self.store.list())}", self.conv.model)
+        for m in self.store.messages(self.conv):
+            self.store.add_message(twin, m.role, m.content, m.partial)
+        folder = self.home / "kv" / str(twin.id)
+        if manifest is not None:
+            folder.mkdir(parents=True)
+            (folder / MANIFEST).write_text(manifest)
+        done, _ = run_turn(self.session(), twin, NEXT, max_tokens=8, no_cache=True)
+        self.store.delete(twin)
+        shutil.rmtree(folder, ignore_errors=True)  # no donor for the cases' rebuilds
+        return done.tokens
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    made: dict[str, World] = {}
+    patch = pytest.MonkeyPatch()
+
+    def get(name: str) -> World:
+        if name in made:
+            return made[name]
+        home = tmp_path_factory.mktemp(f"home-{name}")
+        patch.setenv("LOCALCHAT_HOME", str(home))
+        engine = Engine.load(str(build_family(name, tmp_path_factory.mktemp(name) / name)))
+        # Token ids past it would reach the model: garbage, or a crash for large ones.
+        assert engine.layout().vocab == 498, "Engine.layout must say the vocabulary"
+        store = Store.open(home / "localchat.db")
+        conv = store.create("c", engine.ref.name)
+        w = World(engine, store, home, conv, 0, home / "pristine", {}, "", (), ())
+        for prompt in HISTORY:
+            run_turn(w.session(), conv, prompt, max_tokens=12)
+        w.next_seq = len(store.messages(conv)) + 1
+        shutil.copytree(w.folder, w.pristine)
+        text = (w.folder / MANIFEST).read_text()
+        w.body = json.loads(text)
+        w.checksum = w.body.pop("checksum")
+        w.ok, w.fresh = w.no_cache(text), w.no_cache(None)
+        assert len(w.ok) >= 4  # an EOS-only reply would prove nothing
+        made[name] = w
+        return w
+
+    yield get
+    for w in made.values():
+        w.store.close()
+    patch.undo()
+
+
+# -- the changes ----------------------------------------------------------------------------
+
+_GONE = object()  # a removed key
+
+
+def variants(path: tuple, v, files: list[str]) -> list[tuple[str, object]]:
+    """A handful of changes of one JSON value: (label, new value or _GONE). ``files``: the
+    manifest's file names (a file field may point at another of them)."""
+    out: list[tuple[str, object]] = []
+    if path and isinstance(path[-1], str):
+        out.append(("removed", _GONE))
+    if type(v) is int:
+        digit = int(str(v)[:-1] + str((v % 10 + 5) % 10))
+        out += [("+1", v + 1), ("-1", v - 1), ("float", float(v)), ("bool", v == 0)]
+        out += [("digit", digit)] if digit not in (v, v + 1, v - 1) else []
+        out += [("past the vocabulary", 10**6), ("past int32", 2**31)] \
+            if path[0] == "tokens" else [("str", str(v))]
+    elif type(v) is str:
+        out += [("char", v[:-1] + chr(ord(v[-1]) ^ 1) if v else "x"), ("int", 0)]
+        if path[-1] == "file":
+            out += [("parent", f"../{v}"), ("absolute", f"/tmp/{v}"), ("subfolder", f"x/{v}")]
+            out += [("another file", f) for f in files[:1] if f != v]
+        else:
+            out.append(("emptied", ""))
+    elif type(v) is list:
+        out += [("emptied", []), ("object", {})]
+        if v:
+            out += [("last dropped", v[:-1]), ("last twice", v + v[-1:])]
+    elif type(v) is dict:
+        out += [("emptied", {}), ("extra key", {**v, "extra": 0}), ("list", [])]
+    return out
+
+
+def nodes(v, sample: list[int], path: tuple = ()):
+    """Every (path, value) of a JSON value; of the token ids, those at ``sample``."""
+    if path:
+        yield path, v
+    if type(v) is dict:
+        for k, x in v.items():
+            yield from nodes(x, sample, path + (k,))
+    elif type(v) is list:
+        for i in sample if path == ("tokens",) else range(len(v)):
+            yield from nodes(v[i], sample, path + (i,))
+
+
+def token_sample(body: dict) -> list[int]:
+    """The ends, the middle, and each side of every segment's and checkpoint's boundary."""
+    n = len(body["tokens"])
+    at = {0, 1, n // 2, n - 2, n - 1}
+    for s in body["segments"]:
+        at |= {s["start"], s["end"] - 1}
+    for c in body["checkpoints"]:
+        at |= {c["pos"] - 1, min(c["pos"], n - 1)}
+    return sorted(i for i in at if 0 <= i < n)
+
+
+def changed(body: dict, path: tuple, new) -> dict:
+    out = copy.deepcopy(body)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    if new is _GONE:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = new
+    return out
+
+
+def stale(body: dict, checksum: str) -> str:
+    """``body`` written as ``seal`` writes it, but with ``checksum`` (an old one)."""
+    return f'{{"checksum":"{checksum}",{canonical(body)[1:].decode()}'
+
+
+def cases(w: World):
+    """(mode, path, label, manifest text) of every change."""
+    whole, old = seal(w.body), w.checksum
+    for label, text in [("empty file", ""), ("null", "null"), ("list", "[]"),
+                        ("half", whole[: len(whole) // 2]),
+                        ("no checksum", canonical(w.body).decode()),
+                        ("checksum char", stale(w.body, old[:-1] + chr(ord(old[-1]) ^ 1)))]:
+        yield "damaged", ("file",), label, text
+    files = [e["file"] for e in w.body["segments"] + w.body["checkpoints"]]
+    for path, v in nodes(w.body, token_sample(w.body)):
+        for label, new in variants(path, v, files):
+            body = changed(w.body, path, new)
+            if body != w.body:
+                yield "damaged", path, label, stale(body, w.checksum)
+                yield "resealed", path, label, seal(body)
+
+
+# -- one case --------------------------------------------------------------------------------
+
+
+def run_case(w: World, text: str, turn: bool) -> tuple[str, tuple | None, tuple, list[str]]:
+    """(how the cache took it, the reply, the expected reply, notices) of the next turn from
+    the pristine folder with ``text`` as its manifest; then the conversation as it was.
+
+    ``turn``: run the turn even when reading the manifest rejects it (that turn is then a
+    rebuild from nothing, the same for every such case; see the test)."""
+    shutil.rmtree(w.folder)
+    shutil.copytree(w.pristine, w.folder)
+    (w.folder / MANIFEST).write_text(text)
+    layout = w.engine.layout()
+    try:
+        man = KVStore(w.folder).checked_manifest(layout)
+    except CacheInvalid as err:
+        man, why = None, str(err)
+        assert why and "\n" not in why and len(why) < 80
+        if not turn:
+            return f"rejected: {why}", None, w.fresh, []
+    if man is None:
+        expected = w.fresh
+    elif man.tokens == w.body["tokens"]:
+        expected = w.ok
+    else:  # other token ids: --no-cache renders the conversation with them too
+        expected = w.no_cache(text)
+    done, notices = run_turn(w.session(), w.conv, NEXT, max_tokens=8)
+    rebuilt = [n for n in notices if n.startswith(REBUILT)]
+    how = f"rejected: {why}" if man is None else "notice at load" if rebuilt else "used"
+    if man is None:
+        assert rebuilt == [f"cache rebuilt: {why}"]
+    # The cache it leaves is whole: a valid manifest, every file loads, no stray file.
+    kv = KVStore(w.folder)
+    left = kv.checked_manifest(layout)
+    assert left is not None and len(left.tokens) > len(w.body["tokens"]) // 2
+    kv.load_growing(left, len(left.tokens))
+    for c in left.checkpoints:
+        kv.load_checkpoint(c)
+    assert {p.name for p in w.folder.iterdir()} == {MANIFEST} | {
+        s.file for s in left.segments} | {c.file for c in left.checkpoints}
+    w.store.delete_messages_from(w.conv, w.next_seq)
+    return how, done.tokens, expected, notices
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_every_manifest_field_changed_never_changes_a_reply(worlds, family):
+    """Every case whose manifest is read as valid runs the turn. A manifest that reading
+    rejects makes the turn a rebuild from nothing (``cache rebuilt: REASON``, then the reply
+    of a conversation with no cache): that turn runs for the first change of every field
+    (resealed) and for one change in ten (damaged); the rest check the rejection only."""
+    w = worlds(family)
+    counts: Counter = Counter()
+    wrong, seen, damaged = [], set(), 0
+    for mode, path, label, text in cases(w):
+        turn = (mode, path) not in seen if mode == "resealed" else damaged % 10 == 0
+        seen.add((mode, path))
+        damaged += mode == "damaged"
+        how, reply, expected, notices = run_case(w, text, turn)
+        if mode == "damaged" and how not in (
+                "rejected: damaged manifest (checksum)", "rejected: damaged manifest (not JSON)",
+                "rejected: not a localchat cache") and "version" not in how:
+            wrong.append((mode, path, label, how, notices))
+        tokens_only = path[0] == "tokens" and not how.startswith("rejected")
+        if reply is not None and reply != expected:
+            wrong.append((mode, path, label, how, notices))
+        elif reply is not None and reply != w.ok and not tokens_only and not any(
+                n.startswith(REBUILT) for n in notices):
+            wrong.append((mode, path, label, "silent", notices))
+        outcome = ("rejected at read" + (", turn run" if reply else "")
+                   if how.startswith("rejected") else how if how != "used" else
+                   "equal reply" if reply == w.ok else "equal to --no-cache, same token ids")
+        counts[f"{mode}: {outcome}"] += 1
+    print(json.dumps({"model": family, "cases": sum(counts.values()), **counts}))
+    assert wrong == []
+
+
+# -- negative controls ----------------------------------------------------------------------
+
+
+def negated(data: bytes, skip: str = "entry") -> bytes:
+    """A safetensors file's bytes with every float negated (sign bits flipped), its header and
+    ``skip`` tensor as they were."""
+    hlen = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + hlen])
+    out = bytearray(data)
+    for name, meta in header.items():
+        if name in ("__metadata__", skip) or meta["dtype"] not in ("F16", "F32", "BF16"):
+            continue
+        width = 4 if meta["dtype"] == "F32" else 2
+        start, end = (8 + hlen + x for x in meta["data_offsets"])
+        for i in range(start + width - 1, end, width):
+            out[i] ^= 0x80
+    return bytes(out)
+
+
+@pytest.mark.parametrize("family", MODELS)
+def test_negative_control_a_forged_state_changes_the_reply(worlds, family):
+    """The comparison can tell replies apart: K/V or recurrent state negated behind every
+    check (its CRC-32 in a resealed manifest) is used without a notice and changes the reply."""
+    import zlib
+
+    w = worlds(family)
+    body = copy.deepcopy(w.body)
+    entries = body["checkpoints"] or body["segments"]
+    entry = entries[-1]
+    data = negated((w.pristine / entry["file"]).read_bytes())
+    shutil.rmtree(w.folder)
+    shutil.copytree(w.pristine, w.folder)
+    (w.folder / entry["file"]).write_bytes(data)
+    entry["crc32"] = zlib.crc32(data)
+    (w.folder / MANIFEST).write_text(seal(body))
+    done, notices = run_turn(w.session(), w.conv, NEXT, max_tokens=8)
+    w.store.delete_messages_from(w.conv, w.next_seq)
+    assert notices == [] and done.usage.cached_tokens > 0  # it was used
+    assert done.tokens != w.ok and len(w.ok) >= 4
