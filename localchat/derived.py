@@ -1,9 +1,12 @@
 """Files localchat derives from a model, checked before use: write once, verify every load.
 
-What it is: a safetensors file plus a small JSON sidecar (``NAME.check.json``) holding the
-file's size and a digest; ``load_checked`` refuses a file whose bytes do not match, so a
-damaged or truncated derived file is rebuilt from the model instead of silently changing
-replies. What it is not: a cache policy (callers decide what to derive and where).
+What it is: a safetensors file plus a small JSON sidecar (``NAME.check.json``) holding what
+it was made from, the file's size and a digest; ``load_checked`` refuses a file whose bytes do
+not match, so a damaged or truncated derived file is rebuilt from the model instead of
+silently changing replies. The sidecar itself is read strictly: exactly those three fields,
+of their types (a size is an int, never a bool or float; a digest is 64 hex digits), else
+the file counts as damaged. What it is not: a cache policy (callers decide what to derive
+and where).
 
 The digest is the SHA-256 of per-MiB sums of the file's 64-bit words. It catches any flipped,
 zeroed or truncated range (a changed word changes its MiB's sum unless the change is a
@@ -17,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 CHUNK_WORDS = 1 << 17  # 1 MiB of 64-bit words
@@ -44,6 +48,13 @@ def digest(path: Path) -> str:
     return h.hexdigest()
 
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} in JSON")
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".check.json")
 
@@ -62,8 +73,12 @@ def load_checked(path: Path, source: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        meta = json.loads(_sidecar(path).read_text())
-        if meta.get("source") != source:
+        meta = json.loads(_sidecar(path).read_text(), parse_constant=_no_constant)
+        if type(meta) is not dict or meta.keys() != {"source", "nbytes", "digest"} or \
+                type(meta["source"]) is not str or type(meta["nbytes"]) is not int or \
+                type(meta["digest"]) is not str or not _HEX64.fullmatch(meta["digest"]):
+            raise DerivedDamaged(f"{path.name} has a damaged check file")
+        if meta["source"] != source:
             raise DerivedDamaged(f"{path.name} was made from another model")
         if path.stat().st_size != meta["nbytes"] or digest(path) != meta["digest"]:
             raise DerivedDamaged(f"{path.name} is damaged (checksum)")

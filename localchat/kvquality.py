@@ -5,20 +5,27 @@ with the history's K/V as computed, and with them quantized the way localchat st
 (``cachekinds.quantize_growing``: history quantized, the current turn at full precision) — and
 compares the next-token predictions over a fixed reply, teacher-forced: top-1 agreement and
 the mean absolute change of the reference tokens' log-probability. ``check`` applies the gate
-(``GATE``) and remembers the verdict per model and setting in ``kv-quality.json``, so the
-measurement (~1-3 s on the default model's CPU path) runs once. A setting that fails is refused
-with a one-line reason instead of producing nonsense.
+(``GATE``) and remembers the measurement per model and setting in ``kv-quality.json``, so it
+(~1-3 s on the default model's CPU path) runs once. A setting that fails is refused with a
+one-line reason instead of producing nonsense.
+
+A remembered measurement is used only if it is exactly what ``measure`` writes: the three
+figures of their types and ranges, the reply's length, and a checksum of the entry with its
+key (``_entry_check``). Anything else — a damaged, truncated or hand-edited file — is measured
+again and rewritten, so no file can make a failing setting pass.
 
 What it is not: a benchmark of speed or disk (``scripts/bench_kvquant.py``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import cachekinds as ck
 from .errors import BadInput
 from .files import read_memo, write_memo
+from .kvformat import checksum
 from .paths import data_home
 
 VERSION = 1  # bump when the script or the metric changes: older verdicts are measured again
@@ -114,11 +121,10 @@ def check(engine, quant: ck.KVQuant) -> Quality:
     key = f"{engine.info().model_digest[:32]}|{quant.bits}|{quant.group}|v{VERSION}"
     path = data_home() / "kv-quality.json"
     memo = read_memo(path)
-    if key in memo:
-        quality = Quality(**memo[key])
-    else:
+    quality = _remembered(memo.get(key), key, len(engine.encode(REPLY)))
+    if quality is None:
         quality = measure(engine, quant)
-        memo[key] = quality.__dict__
+        memo[key] = {**quality.__dict__, "check": _entry_check(key, quality)}
         write_memo(path, memo)
     if not quality.passes():
         raise BadInput(
@@ -127,3 +133,21 @@ def check(engine, quant: ck.KVQuant) -> Quality:
             f"{quality.nll_delta:.3f} (needs ≥ {GATE['agreement']:.0%} and ≤ {GATE['nll']}); "
             "use --kv-bits 8, or a smaller --kv-group-size")
     return quality
+
+
+def _entry_check(key: str, q: Quality) -> str:
+    return checksum({"key": key, **q.__dict__})
+
+
+def _remembered(entry, key: str, positions: int) -> Quality | None:
+    """The measurement ``entry`` holds if it is exactly what ``check`` wrote for ``key``
+    (a reply of ``positions`` tokens); None on any doubt."""
+    if type(entry) is not dict or entry.keys() != {"agreement", "nll_delta", "positions",
+                                                   "check"}:
+        return None
+    a, nll, n = entry["agreement"], entry["nll_delta"], entry["positions"]
+    if type(a) is not float or type(nll) is not float or type(n) is not int or \
+            not (0.0 <= a <= 1.0 and 0.0 <= nll < math.inf and n == positions):
+        return None
+    quality = Quality(a, nll, n)
+    return quality if entry["check"] == _entry_check(key, quality) else None

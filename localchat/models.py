@@ -11,7 +11,11 @@ A model is one of:
 The model digest (``model_digest``) is what the KV cache on disk and derived files are keyed
 by: it covers the weights, the config, the tokenizer and its chat template. Hashing ~100 MB
 of weights on every start would cost ~0.3 s, so weight hashes are memoised in
-``fingerprints.json`` keyed by (path, size, mtime).
+``fingerprints.json``, keyed by the file's path, size, modification and change times and
+inode: a file replaced by one of the same size and modification time (``cp -p``, ``rsync
+-t``) still gets a new change time or inode, so a stale hash never makes another model's
+caches look valid. An entry is used only if it is a SHA-256 in hex with a check of its key;
+anything else in the file is hashed again and rewritten.
 This module does not load MLX.
 """
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,12 +139,26 @@ def model_digest(path: Path) -> str:
 
 
 def _file_hash(path: Path) -> str:
+    """The SHA-256 of a weights file, from the memo when it holds a sound entry for it."""
     memo_file = fingerprints_path()
     st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    where = f"{path.resolve()}|"
+    key = f"{where}{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
     memo = read_memo(memo_file)
-    if key in memo:
-        return memo[key]
-    memo[key] = sha256_file(path)
+    entry = memo.get(key)
+    if type(entry) is list and len(entry) == 2 and type(entry[0]) is str and \
+            _HEX64.fullmatch(entry[0]) and entry[1] == _entry_check(key, entry[0]):
+        return entry[0]
+    digest = sha256_file(path)
+    # Entries of this path's earlier versions are of no use any more.
+    memo = {k: v for k, v in memo.items() if not k.startswith(where)}
+    memo[key] = [digest, _entry_check(key, digest)]
     write_memo(memo_file, memo)
-    return memo[key]
+    return digest
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _entry_check(key: str, digest: str) -> str:
+    return hashlib.sha256(f"{key}\0{digest}".encode()).hexdigest()[:16]

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import pytest
 from families import build_family
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twins import run_turn
 
 from localchat.engine import Engine
@@ -321,3 +323,83 @@ def test_negative_control_a_forged_state_changes_the_reply(worlds, family):
     w.store.delete_messages_from(w.conv, w.next_seq)
     assert notices == [] and done.usage.cached_tokens > 0  # it was used
     assert done.tokens != w.ok and len(w.ok) >= 4
+
+
+# -- the reader alone: any value in any field ------------------------------------------------
+
+
+def synthetic() -> dict:
+    """A valid manifest body of a sliding window, a recurrent state and a global layer."""
+    from localchat.cachekinds import LeafSpec
+    from localchat.kvformat import Checkpoint, Layout, Manifest, Segment
+
+    leaves = (LeafSpec("0", "RotatingKVCache", "bounded", (2, 16), (2, 16), 16),
+              LeafSpec("1", "ArraysCache", "bounded", state=((1, 3, 96), (1, 2, 16, 16))),
+              LeafSpec("2", "KVCache", "growing", (2, 16), (2, 16)))
+    layout = Layout("f" * 32 + "-float16", "float16", leaves)
+    ckpts = [Checkpoint(f"ckpt-00000{i + 1}.safetensors", p, 7, 99, (
+        {"offset": p, "keep": 0, "max_size": 16, "idx": min(p, 16)}, {"size": 2}), (
+        {"keys": "float32", "values": "float32"}, {"0": "float32", "1": "float32"}))
+        for i, p in enumerate((12, 40))]
+    segs = [Segment("seg-000001.safetensors", 0, 25, 5, 100),
+            Segment("seg-000002.safetensors", 25, 40, 6, 80)]
+    man = Manifest(layout, list(range(3, 43)), segs, ckpts)
+    body = json.loads(man.to_json())
+    del body["checksum"]
+    return body
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats()
+                    | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_any_value_in_any_field_is_read_or_refused_in_one_line(data):
+    from localchat.kvformat import Manifest
+
+    body = synthetic()
+    assert Manifest.from_json(seal(body)).tokens == body["tokens"]  # the control
+    spots = list(nodes(body, list(range(len(body["tokens"])))))
+    path, _ = data.draw(st.sampled_from(spots))
+    new = data.draw(JSON | st.just(_GONE) if isinstance(path[-1], str) else JSON)
+    try:
+        man = Manifest.from_json(seal(changed(body, path, new)))
+    except CacheInvalid as err:
+        assert str(err) and "\n" not in str(err) and len(str(err)) < 80
+        return
+    names = [s.file for s in man.segments] + [c.file for c in man.checkpoints]
+    assert all("/" not in f and ".." not in f for f in names)
+    assert all(type(t) is int and 0 <= t < 2**31 for t in man.tokens)
+
+
+@pytest.mark.parametrize("name", ["../seg-000001.safetensors", "/etc/passwd", "x/y",
+                                  "seg-000001.safetensors/..", "manifest.json", "",
+                                  "seg-1.safetensors", ".tmp-seg-000001.safetensors"])
+def test_a_file_name_is_a_plain_name_in_the_folder(name):
+    from localchat.kvformat import Manifest
+
+    body = synthetic()
+    body["segments"][1]["file"] = name
+    with pytest.raises(CacheInvalid, match="damaged manifest"):
+        Manifest.from_json(seal(body))
+
+
+def test_token_ids_past_the_vocabulary_and_old_versions_are_refused(tmp_path):
+    import dataclasses
+
+    from localchat.kvformat import Manifest
+
+    body = synthetic()
+    kv = KVStore(tmp_path)
+    (tmp_path / MANIFEST).write_text(seal(body))
+    layout = kv.manifest().layout
+    assert kv.checked_manifest(dataclasses.replace(layout, vocab=43)) is not None
+    with pytest.raises(CacheInvalid, match="vocabulary"):
+        kv.checked_manifest(dataclasses.replace(layout, vocab=42))
+    old = {k: v for k, v in body.items()}
+    old["version"] = 2
+    with pytest.raises(CacheInvalid, match=r"^cache format version 2 \(this localchat reads 3\)$"):
+        Manifest.from_json(json.dumps(old))

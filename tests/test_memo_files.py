@@ -1,0 +1,211 @@
+"""The small files localchat reads back, each field changed: never a wrong verdict, a wrong
+fingerprint or a traceback, and the file is rebuilt.
+
+- ``kv-quality.json`` (``kvquality.py``): a setting that fails the quality gate keeps failing
+  whatever the remembered measurement is changed to; the measurement runs again and the entry
+  is written back as it was.
+- ``fingerprints.json`` (``models.py``): the model digest is the one a fresh hash gives; a
+  weights file replaced by another of the same size and modification time is hashed again.
+- ``cpu-weights/*.check.json`` (``derived.py``): any change refuses the derived file with one
+  line; through ``Engine.load`` it is rebuilt with the "CPU weights rebuilt" notice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from tiny import build_tiny_model
+
+from localchat import derived, kvquality, models, paths
+from localchat.cachekinds import KVQuant
+from localchat.engine import Engine
+from localchat.errors import BadInput
+
+_GONE = object()
+
+
+def field_changes(entry: dict) -> list[tuple[str, object]]:
+    """(label, changed entry) for every field of a JSON object: removed, another type, a
+    number off, a character changed, emptied; and the object's own shape."""
+    out = [("extra key", {**entry, "extra": 1}), ("emptied", {}), ("a list", list(entry)),
+           ("null", None), ("a string", "x")]
+    for k, v in entry.items():
+        news: list = [_GONE, None, True, [v], {"v": v}]
+        if type(v) in (int, float):
+            news += [v + 1, v - 1, -v - 1, float(v) if type(v) is int else int(v), str(v),
+                     0.0, 1.0, 0]
+        if type(v) is str:
+            news += ["", v[:-1] + chr(ord(v[-1]) ^ 1), v.upper(), 0]
+        if type(v) is list:
+            news += [[], v[:-1], v + v[-1:]]
+        for new in news:
+            changed = {**entry}
+            if new is _GONE:
+                del changed[k]
+            else:
+                changed[k] = new
+            if json.dumps(changed) != json.dumps(entry):  # (5.0 == 5 and True == 1 in Python)
+                out.append((f"{k}: {new!r}"[:60], changed))
+    return out
+
+
+def item_changes(items: list) -> list[tuple[str, object]]:
+    """(label, changed list) for every item of a JSON list, and the list's own shape."""
+    out = [("emptied", []), ("one item", items[:1]), ("one more", items + items[-1:]),
+           ("an object", dict(enumerate(items))), ("null", None), ("the first item", items[0])]
+    for i, v in enumerate(items):
+        for new in ["", v[:-1] + chr(ord(v[-1]) ^ 1), v.upper(), 0, None, [v]]:
+            if new != v:
+                out.append((f"item {i}: {new!r}"[:60], items[:i] + [new] + items[i + 1:]))
+    return out
+
+
+# -- kv-quality.json ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Head dim 32, so 4-bit groups of 32 fit and do change the predictions."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("q") / "q", hidden=128, heads=4,
+                              kv_heads=2)
+    return Engine.load(str(folder))
+
+
+def test_a_changed_quality_memo_never_makes_a_failing_setting_pass(home, wide, monkeypatch):
+    quant = KVQuant(4, 32)
+    measured = kvquality.measure(wide, quant)
+    assert measured.nll_delta > 0 and measured.positions > 10
+    # The gate set just past this model's figures: 4 bits fail, by a hair.
+    monkeypatch.setitem(kvquality.GATE, "nll", measured.nll_delta / 2)
+    with pytest.raises(BadInput, match="fails the quality gate"):
+        kvquality.check(wide, quant)
+    memo_file = paths.data_home() / "kv-quality.json"
+    memo = json.loads(memo_file.read_text())
+    (key, entry), = memo.items()
+    assert {k: entry[k] for k in ("agreement", "nll_delta", "positions")} == measured.__dict__
+    passing = {**entry, "agreement": 1.0, "nll_delta": 0.0}  # what an edit would make of it
+    cases = [(f"entry {label}", {key: new}) for label, new in field_changes(entry)] + [
+        ("passing figures, old check", {key: passing}),
+        ("under another key", {key.replace("|4|", "|8|"): passing}),
+        ("file: a list", [passing]), ("file: null", None)]
+    for label, content in cases:
+        memo_file.write_text(json.dumps(content))
+        with pytest.raises(BadInput, match="fails the quality gate"):
+            kvquality.check(wide, quant)
+        assert json.loads(memo_file.read_text())[key] == entry, label  # measured again
+    for text in ("", "{", "\x00\xff", '{"a": NaN}'):
+        memo_file.write_text(text)
+        with pytest.raises(BadInput, match="fails the quality gate"):
+            kvquality.check(wide, quant)
+        assert json.loads(memo_file.read_text())[key] == entry
+    # Negative control: the entry itself, untouched, is what makes it fail without measuring.
+    monkeypatch.setattr(kvquality, "measure", None)  # would fail loudly if called
+    with pytest.raises(BadInput, match="fails the quality gate"):
+        kvquality.check(wide, quant)
+
+
+# -- fingerprints.json ----------------------------------------------------------------------
+
+
+def test_a_changed_fingerprint_memo_never_changes_the_model_digest(home, tiny_model, tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    memo_file = paths.fingerprints_path()
+    truth = models.model_digest(folder)
+    memo = json.loads(memo_file.read_text())
+    (key, entry), = memo.items()
+    other = "0" * 64  # a well-formed hash of something else
+    cases = [(f"entry {label}", {key: new}) for label, new in item_changes(entry)] + [
+        ("another hash, old check", {key: [other, entry[1]]}),
+        ("under the key of another file", {key.replace("model.", "other."): entry}),
+        ("file: a list", [entry])]
+    for label, content in cases:
+        memo_file.write_text(json.dumps(content))
+        assert models.model_digest(folder) == truth, label
+        assert json.loads(memo_file.read_text())[key] == entry, label  # hashed, rewritten
+    for text in ("", "{", "\x00\xff", "[]"):
+        memo_file.write_text(text)
+        assert models.model_digest(folder) == truth
+        assert json.loads(memo_file.read_text()) == memo  # the unreadable file replaced
+
+
+def test_weights_replaced_with_the_same_size_and_time_are_hashed_again(home, tiny_model,
+                                                                       tmp_path):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    before = models.model_digest(folder)
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01  # another model, byte for byte as long
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # as `cp -p` or `rsync -t` keeps it
+    assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
+    after = models.model_digest(folder)
+    paths.fingerprints_path().unlink()
+    assert after != before and after == models.model_digest(folder)
+
+
+# -- cpu-weights/*.check.json ----------------------------------------------------------------
+
+
+def test_every_changed_sidecar_field_refuses_the_derived_file(tmp_path):
+    path = tmp_path / "w.safetensors"
+    tensors = {"w": mx.arange(1000, dtype=mx.float32)}
+    derived.save_checked(path, tensors, "source-a")
+    side = path.with_name(path.name + ".check.json")
+    meta = json.loads(side.read_text())
+    assert mx.array_equal(derived.load_checked(path, "source-a")["w"], tensors["w"])  # control
+    cases = [(label, json.dumps(new)) for label, new in field_changes(meta)] + [
+        ("empty", ""), ("garbage", "\x00\xff"), ("truncated", side.read_text()[:20]),
+        ("NaN size", json.dumps(meta).replace(str(meta["nbytes"]), "NaN")),
+        ("deep", "[" * 100_000 + "]" * 100_000)]
+    for label, text in cases:
+        side.write_text(text)
+        with pytest.raises(derived.DerivedDamaged) as err:
+            derived.load_checked(path, "source-a")
+        assert "\n" not in str(err.value) and str(err.value).startswith(path.name), label
+    side.write_text(json.dumps(meta))
+    with pytest.raises(derived.DerivedDamaged, match="another model"):
+        derived.load_checked(path, "source-b")
+
+
+@pytest.fixture
+def quantized_model(tiny_model, tmp_path):
+    """The tiny model with 4-bit weights (as test_backend.py makes it)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    out = tmp_path / "tiny-q4"
+    shutil.copytree(tiny_model, out)
+    model, config = load_model(out)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("change", ["a list", "size as a float", "size as a bool"])
+def test_a_changed_sidecar_rebuilds_the_cpu_weights_with_a_notice(home, quantized_model,
+                                                                  change):
+    x = mx.array([[5, 17, 42, 99, 7]])
+    fresh = Engine.load(str(quantized_model))
+    expected = fresh.model(x)
+    (side,) = (home / "cpu-weights").glob("*.check.json")
+    meta = json.loads(side.read_text())
+    if change == "a list":
+        side.write_text(json.dumps(list(meta.values())))
+    else:  # a size that compares equal to the right one
+        side.write_text(json.dumps({**meta, "nbytes": float(meta["nbytes"]) if "float" in change
+                                    else True}))
+    again = Engine.load(str(quantized_model))
+    assert len(again.notices) == 1 and again.notices[0].startswith("CPU weights rebuilt:")
+    assert mx.array_equal(again.model(x), expected)
+    assert json.loads(side.read_text()) == meta  # rebuilt: the same file, a sound check
+    assert Engine.load(str(quantized_model)).notices == []
