@@ -63,8 +63,8 @@ _original: Any = None  # MLX's function while ours is installed
 
 
 def install() -> bool:
-    """Put ``scaled_dot_product_attention`` in place of MLX's if the default device is the
-    CPU and ``LOCALCHAT_CPU_ATTENTION`` is not ``mlx``. Idempotent.
+    """Put ``scaled_dot_product_attention`` in place of MLX's on the CPU path
+    (``backend.cpu_path``) unless ``LOCALCHAT_CPU_ATTENTION`` is ``mlx``. Idempotent.
 
     Returns:
         True if our attention is in place after the call.
@@ -76,7 +76,9 @@ def install() -> bool:
         return True
     if os.environ.get(ENV, "").lower() == "mlx":
         return False
-    if mx.default_device().type != mx.DeviceType.cpu:
+    from . import backend
+
+    if not backend.cpu_path():
         return False
     _original = mx.fast.scaled_dot_product_attention
     mx.fast.scaled_dot_product_attention = scaled_dot_product_attention

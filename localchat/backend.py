@@ -62,7 +62,7 @@ def prepare() -> BlasStatus:
         _status = BlasStatus(None, "")
         return _status
     choice = os.environ.get("LOCALCHAT_BLAS", "")
-    if choice.lower() in ("off", "0", "no"):
+    if choice.lower() in ("off", "0", "no") or not _cpu_path_allowed():
         _status = BlasStatus(None, "", disabled=True)
         return _status
     errors = []
@@ -206,16 +206,31 @@ def soname_patched(elf: bytes, soname: bytes) -> bytes:
     return bytes(data)
 
 
-def on_cpu() -> bool:
+def cpu_path() -> bool:
+    """Whether this process takes the Linux-CPU speed-ups (a fast BLAS, float32 copies of
+    quantized weights, ``attention.py``): MLX's default device is the CPU and
+    ``LOCALCHAT_CPU_PATH`` is not ``off``.
+
+    The one backend check: everything that differs between the CPU and Metal/CUDA asks it.
+    ``LOCALCHAT_CPU_PATH=off`` runs on a CPU what a Mac or a CUDA machine runs (MLX's own
+    kernels and attention, quantized weights kept, no BLAS loaded), which is how the test
+    suite covers those branches on Linux.
+    """
+    if not _cpu_path_allowed():
+        return False
     import mlx.core as mx
 
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def _cpu_path_allowed() -> bool:
+    return os.environ.get("LOCALCHAT_CPU_PATH", "").strip().lower() not in ("off", "0", "no")
+
+
 def slow_path_notice() -> str | None:
     """One line for the user when a Linux CPU run is on the slow reference BLAS, else None."""
     status = prepare()
-    if not sys.platform.startswith("linux") or status.path or status.disabled or not on_cpu():
+    if not sys.platform.startswith("linux") or status.path or status.disabled or not cpu_path():
         return None
     why = status.detail or "no libopenblas found"
     return (f"slow CPU path: no fast BLAS could be loaded ({why}); prefill and decode run "
@@ -240,7 +255,7 @@ def matmul_gflops(n: int = 512, repeat: int = 5) -> float:
 def describe() -> str:
     """The BLAS in use and its measured rate, for ``inspect`` and benchmark headers."""
     status = prepare()
-    if not on_cpu():
+    if not cpu_path():
         import mlx.core as mx
 
         return f"{mx.default_device()} (MLX's own kernels)"
@@ -263,7 +278,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str
     Returns:
         Notices for the user (a damaged weights file was rebuilt, or could not be kept).
     """
-    if not on_cpu() or os.environ.get("LOCALCHAT_DEQUANTIZE") == "0":
+    if not cpu_path() or os.environ.get("LOCALCHAT_DEQUANTIZE") == "0":
         return []
     import mlx.core as mx
     import mlx.nn as nn

@@ -18,6 +18,19 @@ paths.keep_private()  # as every entry point does: what the tests create is owne
 from tiny import build_tiny_model  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.cpu_only`` tests check the Linux-CPU speed-ups; where this run takes
+    the Metal/CUDA branches (a GPU device, or ``LOCALCHAT_CPU_PATH=off`` on a CPU) they are
+    skipped with the reason, and the rest of the suite runs those branches."""
+    if backend.cpu_path():
+        return
+    skip = pytest.mark.skip(reason="tests the Linux-CPU path (fast BLAS, float32 weights, "
+                            "localchat's attention); this run takes MLX's own kernels")
+    for item in items:
+        if "cpu_only" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")

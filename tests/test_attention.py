@@ -182,6 +182,7 @@ def test_unusual_or_invalid_calls_go_to_mlx(monkeypatch):
     assert len(calls) == 4
 
 
+@pytest.mark.cpu_only
 def test_install_is_cpu_only_and_can_be_turned_off(monkeypatch):
     was = attention.installed()
     try:
@@ -201,6 +202,7 @@ def test_install_is_cpu_only_and_can_be_turned_off(monkeypatch):
             attention.install()
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(os.environ.get(attention.ENV, "").lower() == "mlx", reason="turned off")
 def test_engine_load_installs_it(engine):
     assert attention.installed()

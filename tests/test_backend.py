@@ -13,6 +13,7 @@ from localchat import backend
 from localchat.engine import Engine
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 def test_openblas_is_loaded_on_linux():
     assert backend.blas_in_use() and "openblas" in backend.blas_in_use()
@@ -34,6 +35,7 @@ def quantized_model(tiny_model, tmp_path):
     return out
 
 
+@pytest.mark.cpu_only
 def test_cpu_runs_quantized_weights_dequantized_and_caches_them(home, quantized_model):
     from mlx_lm.utils import load_model
 
@@ -72,6 +74,7 @@ def _without_system_gfortran(cmd: list[str]) -> list[str]:
     return ["unshare", "-m", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 def test_fresh_machine_without_libgfortran_still_gets_openblas(tmp_path):
     import subprocess
@@ -104,6 +107,7 @@ def test_soname_patch_changes_only_the_soname():
         backend.soname_patched(original, b"libnothing.so.9")
 
 
+@pytest.mark.cpu_only
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 def test_no_fast_blas_says_so_once_and_still_answers(tiny_model, tmp_path):
     import subprocess
@@ -134,6 +138,7 @@ def _flip(path, at: int, n: int = 64) -> None:
         f.write(bytes(b ^ 0xFF for b in data))
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "no check file"])
 def test_damaged_cpu_weights_are_rebuilt_with_a_notice(home, quantized_model, damage):
     x = mx.array([[5, 17, 42, 99, 7]])
@@ -158,3 +163,81 @@ def test_damaged_cpu_weights_are_rebuilt_with_a_notice(home, quantized_model, da
     assert mx.array_equal(again.model(x), expected)
     third = Engine.load(str(quantized_model))  # the rebuilt file passes its check
     assert third.notices == [] and mx.array_equal(third.model(x), expected)
+
+
+# -- the branches a Mac or a CUDA machine takes, run here with the backend check off -------
+
+
+def test_other_backends_keep_quantized_weights_and_mlx_attention(home, quantized_model,
+                                                                 monkeypatch):
+    """``LOCALCHAT_CPU_PATH=off`` (what ``backend.cpu_path`` says on Metal/CUDA): quantized
+    layers stay quantized, nothing is derived on disk, MLX's own attention stays, and the
+    replies are the quantized model's."""
+    from mlx_lm.utils import load_model
+
+    from localchat import attention
+
+    monkeypatch.setenv("LOCALCHAT_CPU_PATH", "off")
+    assert backend.cpu_path() is False
+    assert "MLX's own kernels" in backend.describe() and backend.slow_path_notice() is None
+    was = attention.installed()
+    attention.uninstall()
+    try:
+        engine = Engine.load(str(quantized_model))
+        assert not attention.installed()
+        assert mx.fast.scaled_dot_product_attention is attention.mlx_attention()
+    finally:
+        if was:
+            monkeypatch.delenv("LOCALCHAT_CPU_PATH")
+            attention.install()
+    layers = [m for _, m in engine.model.named_modules()]
+    assert any(isinstance(m, nn.QuantizedLinear) for m in layers)
+    assert not (home / "cpu-weights").exists()
+    reference, _ = load_model(quantized_model)
+    x = mx.array([[5, 17, 42, 99, 7]])
+    assert mx.array_equal(engine.model(x), reference(x))
+
+
+def test_other_backends_load_no_blas(tmp_path):
+    """No BLAS is loaded before MLX when the CPU path is off (a fresh process)."""
+    import subprocess
+
+    code = ("from localchat import backend; s = backend.prepare(); "
+            "print(s.path, s.disabled, backend.blas_in_use())")
+    env = {**os.environ, "LOCALCHAT_CPU_PATH": "off"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["None", "True", "None"], out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_other_backends_store_half_precision_kv_as_computed(home, tmp_path, dtype,
+                                                              monkeypatch):
+    """A half-precision model's K/V are stored in its own dtype (bfloat16 as on a Mac), and a
+    resumed turn equals a full prefill."""
+    from tiny import build_tiny_model
+    from twins import full_prefill, run_turn
+
+    from localchat import paths
+    from localchat.session import Session
+    from localchat.store import Store
+
+    monkeypatch.setenv("LOCALCHAT_CPU_PATH", "off")
+    folder = build_tiny_model(tmp_path / f"tiny-{dtype}", dtype=dtype)
+    engine = Engine.load(str(folder))
+    assert engine.info().kv_dtype == dtype
+    store = Store.open(paths.database_path())
+
+    def session():
+        return Session(store, engine, paths.kv_root(), paths.locks_dir())
+
+    conv = store.create("c", engine.ref.name)
+    run_turn(session(), conv, "Hello there")
+    assert session().kvstore(conv).manifest().layout.dtype == dtype
+    before = store.messages(conv)
+    manifest = session().kvstore(conv).folder.joinpath("manifest.json").read_text()
+    resumed, notes = run_turn(session(), conv, "And then?")
+    assert notes == [] and resumed.usage.cached_tokens > 0
+    full = full_prefill(store, engine, conv, "And then?", before, manifest)
+    assert resumed.tokens == full.tokens
+    store.close()
