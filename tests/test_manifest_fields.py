@@ -95,8 +95,6 @@ def worlds(tmp_path_factory):
         home = tmp_path_factory.mktemp(f"home-{name}")
         patch.setenv("LOCALCHAT_HOME", str(home))
         engine = Engine.load(str(build_family(name, tmp_path_factory.mktemp(name) / name)))
-        # Token ids past it would reach the model: garbage, or a crash for large ones.
-        assert engine.layout().vocab == 498, "Engine.layout must say the vocabulary"
         store = Store.open(home / "localchat.db")
         conv = store.create("c", engine.ref.name)
         w = World(engine, store, home, conv, 0, home / "pristine", {}, "", (), ())
@@ -259,6 +257,8 @@ def test_every_manifest_field_changed_never_changes_a_reply(worlds, family):
     of a conversation with no cache): that turn runs for the first change of every field
     (resealed) and for one change in ten (damaged); the rest check the rejection only."""
     w = worlds(family)
+    # Token ids past the vocabulary would reach the model (garbage, or a crash for large ids).
+    assert w.engine.layout().vocab == 498, "Engine.layout must say the model's vocabulary"
     counts: Counter = Counter()
     wrong, seen, damaged = [], set(), 0
     for mode, path, label, text in cases(w):
