@@ -11,8 +11,12 @@ paths alternate, order flipped each trial, so machine noise hits both alike):
 Then the issue's targets: TTFT at 4k ≤ 1.5× at 256, prefill ≥ 1.8× MLX's, decode at 4k ≥
 0.9× decode at 256.
 
-Usage: python scripts/bench_attention.py [--quick] [-m MODEL] [--histories 0,256,...]
-       [--prefill N] [--trials N] [--clock wall|cpu]
+Usage: python scripts/bench_attention.py [--quick | --smoke] [-m MODEL]
+       [--histories 0,256,...] [--prefill N] [--trials N] [--clock wall|cpu]
+``--quick``: histories 256, 1k and 4k, 2 trials, one prefill trial. ``--smoke``: every step
+once or twice on lengths a tiny model holds (histories 0 and 256, a 128-token prefill, two
+prompts over a 64-token history), in seconds: ``tests/test_scripts.py`` runs it so the
+script cannot rot; its figures mean nothing.
 ``--clock cpu`` times with the process's CPU time instead of the wall clock: steadier on a
 machine that other work shares (run it with OPENBLAS_NUM_THREADS=1, or OpenBLAS threads
 that spin while waiting count too).
@@ -39,42 +43,42 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="256, 1k, 4k; 2 trials; 1 prefill")
-    ap.add_argument("-m", "--model", default=None)
+    benchlib.add_flags(ap, "256, 1k, 4k; 2 trials; 1 prefill")
     ap.add_argument("--histories", default=None)
-    ap.add_argument("--prefill", type=int, default=2048)
+    ap.add_argument("--prefill", type=int, default=None, help="default 2048")
     ap.add_argument("--trials", type=int, default=None)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     args = ap.parse_args()
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     histories = [int(x) for x in args.histories.split(",")] if args.histories else (
-        [256, 1024, 4096] if args.quick else [0, 256, 1024, 2048, 4096])
-    trials = args.trials or (2 if args.quick else 3)
+        benchlib.pick(args, [0, 256, 1024, 2048, 4096], [256, 1024, 4096], [0, 256]))
+    trials = args.trials or benchlib.pick(args, 3, 2, 2)  # 2: both orders of the pair
+    prefill_tokens = args.prefill or benchlib.pick(args, 2048, 2048, 128)
+    prefill_trials = benchlib.pick(args, trials, 1, 1)
+    # Exactness: the prompts, teacher-forced after this long a history.
+    prompts = benchlib.pick(args, PROMPTS, PROMPTS, PROMPTS[:2])
+    exact_history = benchlib.pick(args, 1024, 1024, 64)
 
-    from localchat import backend
+    benchlib.scratch_home()
+    import localchat.backend as backend
 
     backend.prepare()
     import mlx.core as mx
 
-    from localchat import attention
+    import localchat.attention as attention
     from localchat.engine import Engine
 
     engine = Engine.load(args.model)
     if not attention.installed():
         sys.exit("our attention is not in use (not a CPU run, or LOCALCHAT_CPU_ATTENTION=mlx)")
     info = engine.info()
-    filler = engine.encode(benchlib.FILLER * (1 + max(histories + [args.prefill]) // 40))
+    filler = engine.encode(benchlib.FILLER * (1 + max(histories + [prefill_tokens]) // 40))
 
     def use(path: str) -> None:
         attention.install() if path == "ours" else attention.uninstall()
 
     def prefill(tokens: list[int], cache) -> mx.array:
-        gen = engine.prefill(tokens, cache)
-        while True:
-            try:
-                next(gen)
-            except StopIteration as done:
-                return done.value
+        return benchlib.prefill(engine, tokens, cache)
 
     def decode_time(cache, logits) -> float:
         """Seconds for DECODE_TOKENS greedy steps, EOS or not, queued as engine.decode does."""
@@ -130,9 +134,9 @@ def main() -> None:
                      r["decode_ours_tps"], f"{r['decode_ours_tps'] / r['decode_mlx_tps']:.2f}x"])
 
     # 3. Full prefill of a long prompt.
-    long_prompt = filler[:args.prefill]
+    long_prompt = filler[:prefill_tokens]
     prefill_s = {"mlx": [], "ours": []}
-    for i in range(1 if args.quick else trials):
+    for i in range(prefill_trials):
         for path in orders(i):
             use(path)
             t0 = clock()
@@ -143,7 +147,7 @@ def main() -> None:
 
     # 4. Exactness on fixed prompts: greedy replies and logits at every position.
     agree, worst = 0, 0.0
-    for prompt in PROMPTS:
+    for prompt in prompts:
         tokens = engine.render([{"role": "user", "content": prompt}])
         replies, logits = {}, {}
         for path in ("mlx", "ours"):
@@ -152,7 +156,7 @@ def main() -> None:
             replies[path] = list(engine.decode(cache, prefill(tokens, cache), 24))
             # Teacher-forced on MLX's reply after a long history, so both see the same input
             # and the scores are large enough for our path to run.
-            full = filler[:1024] + tokens + replies["mlx"]
+            full = filler[:exact_history] + tokens + replies["mlx"]
             logits[path] = engine.model(mx.array(full)[None])
         agree += replies["mlx"] == replies["ours"]
         worst = max(worst, mx.abs(logits["mlx"] - logits["ours"]).max().item())
@@ -175,16 +179,17 @@ def main() -> None:
         [f"prefill {len(long_prompt)} tokens, tok/s", prefill_tps["mlx"], prefill_tps["ours"],
          f">= 1.8x MLX (got {prefill_gain:.2f}x)"],
         [f"decode at {hi} / at {lo}", f"{dflat['mlx']:.2f}x", f"{dflat['ours']:.2f}x", ">= 0.9x"],
-        ["greedy replies equal", "", f"{agree}/{len(PROMPTS)}", "all"],
+        ["greedy replies equal", "", f"{agree}/{len(prompts)}", "all"],
         ["max |logit difference|", "", f"{worst:.2e}", "small"],
     ])
     benchlib.print_json({
-        "bench": "attention", "model": info.name, "machine": benchlib.machine(),
+        "bench": "attention", "mode": benchlib.mode(args), "model": info.name,
+        "machine": benchlib.machine(),
         "blas": backend.blas_in_use(), "clock": args.clock, "trials": trials,
         "histories": per_history,
         "ttft_flatness": flat, "decode_flatness": dflat,
         "prefill_tokens": len(long_prompt), "prefill_tps": prefill_tps,
-        "prefill_speedup": prefill_gain, "greedy_agree": agree, "prompts": len(PROMPTS),
+        "prefill_speedup": prefill_gain, "greedy_agree": agree, "prompts": len(prompts),
         "max_logit_diff": worst,
     })
 

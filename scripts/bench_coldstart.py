@@ -4,9 +4,11 @@ Side by side in one run, on the default model (or -m MODEL), with a ~1k-token hi
 - resumed: ``localchat ask -c NAME "…"`` (the cache comes from disk);
 - full prefill: the same with ``--no-cache`` on a copy of the conversation.
 Each figure is the time from spawning the process to the first byte on stdout (model loading,
-imports and cache loading included), median of several trials.
+imports and cache loading included), median of several trials, in a scratch data folder.
 
-Usage: python scripts/bench_coldstart.py [--quick] [-m MODEL] [--history N]
+Usage: python scripts/bench_coldstart.py [--quick | --smoke] [-m MODEL] [--history N]
+``--quick``: 2 trials. ``--smoke``: one trial on a 128-token history, every step in seconds on
+a tiny model (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -25,26 +27,29 @@ import benchlib  # noqa: E402
 
 
 def first_byte(cmd: list[str], env: dict) -> float:
+    """Seconds from spawning ``cmd`` to its first byte on stdout (it must then succeed)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read(1)
     elapsed = time.perf_counter() - t0
-    proc.stdout.read()
-    if proc.wait() != 0:
-        raise RuntimeError(f"{cmd} failed")
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        lines = err.decode(errors="replace").strip().splitlines() or ["no message"]
+        raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {lines[-1]}")
     return elapsed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("-m", "--model", default=None)
-    ap.add_argument("--history", type=int, default=1024)
+    benchlib.add_flags(ap, "2 trials")
+    ap.add_argument("--history", type=int, default=None, help="tokens (default 1024)")
     args = ap.parse_args()
-    trials = 2 if args.quick else 5
+    trials = benchlib.pick(args, 5, 2, 1)
+    history = args.history or benchlib.pick(args, 1024, 1024, 128)
     home = benchlib.scratch_home()
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
-    from localchat import backend, paths
+    import localchat.backend as backend
+    import localchat.paths as paths
 
     backend.prepare()
     from localchat.engine import Engine
@@ -54,23 +59,27 @@ def main() -> None:
     store = Store.open(paths.database_path())
     for name in ("resumed", "full"):
         conv = store.create(name, engine.ref.name)
-        for m in benchlib.filler_messages(engine, args.history):
+        for m in benchlib.filler_messages(engine, history):
             store.add_message(conv, m["role"], m["content"])
-    exe = [sys.executable, "-m", "localchat", "ask", "--max-tokens", "4"]
-    subprocess.run(exe + ["-c", "resumed", "Thanks."], env=env, capture_output=True, check=True)
+    store.close()
+    # The conversations know their model; -m again is for the reader of the command line.
+    exe = benchlib.localchat("ask", "-m", engine.ref.name, "--max-tokens", "4")
+    # Warm-up, and the resumed conversation's cache written to disk.
+    benchlib.run(exe + ["-c", "resumed", "Thanks."], env)
     resumed, full = [], []
     for i in range(trials):
         resumed.append(first_byte(exe + ["-c", "resumed", f"Question {i}?"], env))
         full.append(first_byte(exe + ["-c", "full", "--no-cache", f"Question {i}?"], env))
     r, f = benchlib.median(resumed), benchlib.median(full)
-    print(f"# cold start · {engine.ref.name} · ~{args.history}-token history · "
+    print(f"# cold start · {engine.ref.name} · ~{history}-token history · "
           f"{benchlib.machine()} · median of {trials}")
     benchlib.print_table(["run", "process start to first token s", "ratio"],
                          [["localchat ask, resumed from disk", r, "1.00x"],
                           ["localchat ask --no-cache (full prefill)", f, f"{f / r:.1f}x"]])
-    benchlib.print_json({"bench": "coldstart", "machine": benchlib.machine(),
-                         "history": args.history, "resumed_s": r, "full_prefill_s": f,
-                         "ratio": f / r})
+    benchlib.print_json({"bench": "coldstart", "mode": benchlib.mode(args),
+                         "model": engine.ref.name, "machine": benchlib.machine(),
+                         "history": history, "trials": trials, "resumed_s": r,
+                         "full_prefill_s": f, "ratio": f / r})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,10 @@ Side by side in one run, on the default model (or -m MODEL), same prompt:
    in the same process, rounds interleaved with ours (localchat/attention.py). ``--history N``
    puts an N-token conversation before the prompt, where attention weighs more.
 
-Usage: python scripts/bench_decode.py [--quick] [-m MODEL] [--history N]
+Usage: python scripts/bench_decode.py [--quick | --smoke] [-m MODEL] [--history N]
+``--quick``: 1 trial, 32 tokens. ``--smoke``: 1 trial of 8 tokens after a ~40-word prompt,
+every step (both processes, both attentions, plain mlx-lm) in seconds on a tiny model
+(``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,19 +30,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
-PROMPT_WORDS = 400  # ~500 tokens of prompt
 
-
-def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> dict:
+def measure(model: str | None, trials: int, tokens: int, words: int, history: int = 0
+            ) -> dict:
     """In this process: localchat turn figures (with our CPU attention and with MLX's) and
     plain mlx-lm decode on the same model."""
-    from localchat import backend, paths
+    import localchat.backend as backend
+    import localchat.paths as paths
 
     backend.prepare()
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    from localchat import attention
+    import localchat.attention as attention
     from localchat.engine import Engine
     from localchat.events import TurnFinished, Usage
     from localchat.session import Session, TurnOptions
@@ -49,7 +51,7 @@ def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> di
     engine = Engine.load(model)
     ours_attn = attention.installed()  # False off the CPU: both rows then run MLX's
     store = Store.open(paths.database_path())
-    prompt = " ".join(benchlib.FILLER.split()[:40]) * (PROMPT_WORDS // 40)
+    prompt = " ".join(benchlib.FILLER.split()[:40]) * max(1, words // 40)
     before = benchlib.filler_messages(engine, history) if history else []
     ours, plain, prefill, mlx_attn_decode, mlx_attn_prefill = [], [], [], [], []
 
@@ -87,7 +89,7 @@ def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> di
             plain.append(responses[-1].generation_tps)
     if not ours_attn:  # MLX's attention all along
         mlx_attn_decode, mlx_attn_prefill = ours, prefill
-    return {"localchat_decode_tps": benchlib.median(ours),
+    return {"model": engine.ref.name, "localchat_decode_tps": benchlib.median(ours),
             "mlxlm_decode_tps": benchlib.median(plain),
             "localchat_prefill_tps": benchlib.median(prefill),
             "mlx_attention_decode_tps": benchlib.median(mlx_attn_decode),
@@ -97,24 +99,23 @@ def measure(model: str | None, trials: int, tokens: int, history: int = 0) -> di
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("-m", "--model", default=None)
+    benchlib.add_flags(ap, "1 trial, 32 tokens")
     ap.add_argument("--history", type=int, default=0,
                     help="tokens of conversation before the prompt (e.g. 4096)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    trials, tokens = (1, 32) if args.quick else (3, 64)
+    trials, tokens = benchlib.pick(args, (3, 64), (1, 32), (1, 8))
+    words = benchlib.pick(args, 400, 400, 40)  # 400: ~500 tokens of prompt
     if args.child:
-        print(json.dumps(measure(args.model, trials, tokens, args.history)))
+        print(json.dumps(measure(args.model, trials, tokens, words, args.history)))
         return
     home = benchlib.scratch_home()
 
     def child(extra_env: dict) -> dict:
-        cmd = [sys.executable, __file__, "--child", "--history", str(args.history)] + (
-            ["--quick"] if args.quick else []) + (["-m", args.model] if args.model else [])
+        cmd = [sys.executable, __file__, "--child", "--history", str(args.history),
+               *benchlib.size_flags(args)] + (["-m", args.model] if args.model else [])
         env = {**os.environ, "LOCALCHAT_HOME": str(home), **extra_env}
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        return json.loads(benchlib.run(cmd, env).stdout.strip().splitlines()[-1])
 
     fast = child({})
     # Stock is MLX's attention too. Not run with a history: its 4-bit reference-BLAS prefill
@@ -123,29 +124,35 @@ def main() -> None:
         "LOCALCHAT_BLAS": "off", "LOCALCHAT_DEQUANTIZE": "0", "LOCALCHAT_CPU_ATTENTION": "mlx"})
     rows = [
         ["localchat (as set up)", fast["localchat_prefill_tps"], fast["localchat_decode_tps"],
-         fast["mlxlm_decode_tps"], fast["localchat_decode_tps"] / fast["mlxlm_decode_tps"]],
+         fast["mlxlm_decode_tps"],
+         benchlib.ratio(fast["localchat_decode_tps"], fast["mlxlm_decode_tps"])],
         ["  same, MLX's CPU attention", fast["mlx_attention_prefill_tps"],
          fast["mlx_attention_decode_tps"], "", ""],
     ]
     if stock:
         rows.append(["stock mlx[cpu] set-up", stock["localchat_prefill_tps"],
                      stock["localchat_decode_tps"], stock["mlxlm_decode_tps"],
-                     stock["localchat_decode_tps"] / stock["mlxlm_decode_tps"]])
-    print(f"# decode benchmark · {args.model or 'default model'} · {benchlib.machine()} · "
-          f"{args.history} tokens of history + ~{PROMPT_WORDS} words prompt, {tokens} tokens, "
+                     benchlib.ratio(stock["localchat_decode_tps"],
+                                    stock["mlxlm_decode_tps"])])
+    print(f"# decode benchmark · {fast['model']} · {benchlib.machine()} · "
+          f"{args.history} tokens of history + ~{words} words prompt, {tokens} tokens, "
           f"median of {trials}")
     benchlib.print_table(["set-up", "prefill tok/s", "decode tok/s",
                           "plain mlx-lm decode tok/s", "decode vs mlx-lm"], rows)
-    pf = fast["localchat_prefill_tps"] / stock["localchat_prefill_tps"] if stock else None
-    dc = fast["localchat_decode_tps"] / stock["localchat_decode_tps"] if stock else None
+    pf = benchlib.ratio(fast["localchat_prefill_tps"], stock["localchat_prefill_tps"]
+                        ) if stock else None
+    dc = benchlib.ratio(fast["localchat_decode_tps"], stock["localchat_decode_tps"]
+                        ) if stock else None
     if stock:
         print(f"fast path vs stock: prefill {pf:.1f}x, decode {dc:.1f}x")
-    apf = fast["localchat_prefill_tps"] / fast["mlx_attention_prefill_tps"]
-    adc = fast["localchat_decode_tps"] / fast["mlx_attention_decode_tps"]
+    apf = benchlib.ratio(fast["localchat_prefill_tps"], fast["mlx_attention_prefill_tps"])
+    adc = benchlib.ratio(fast["localchat_decode_tps"], fast["mlx_attention_decode_tps"])
     print(f"our CPU attention vs MLX's: prefill {apf:.2f}x, decode {adc:.2f}x")
     benchlib.print_json({
-        "bench": "decode", "machine": benchlib.machine(), "fast": fast, "stock": stock,
-        "decode_vs_mlxlm": fast["localchat_decode_tps"] / fast["mlxlm_decode_tps"],
+        "bench": "decode", "mode": benchlib.mode(args), "model": fast["model"],
+        "machine": benchlib.machine(), "fast": fast, "stock": stock,
+        "decode_vs_mlxlm": benchlib.ratio(fast["localchat_decode_tps"],
+                                          fast["mlxlm_decode_tps"]),
         "prefill_speedup_vs_stock": pf, "decode_speedup_vs_stock": dc,
         "history_tokens": args.history,
         "attention_prefill_speedup": apf, "attention_decode_speedup": adc,

@@ -10,7 +10,10 @@ CacheLists), side by side in one run:
 The models are tiny, so times are small; the ratios and the byte counts are the point.
 ``scripts/bench_resume.py -m FOLDER`` measures a real model of any family the same way.
 
-Usage: python scripts/bench_families.py [--quick] [--family NAME ...]
+Usage: python scripts/bench_families.py [--quick | --smoke] [--family NAME ...]
+``--quick``: 2 trials. ``--smoke``: llama (growing K/V only) and qwen3_next (linear attention:
+checkpoints) unless --family says otherwise, a ~128-token history, 1 trial — every step in
+seconds (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -31,6 +33,7 @@ TURNS = ["Hello there, how are you today? Tell me about Seoul.",
          "What is the capital of France?", "And Korea? 안녕하세요",
          "Thanks, tell me more about caches please."]
 CONTEXT = 4096
+SMOKE_FAMILIES = ["llama", "qwen3_next"]
 
 
 def build(name: str, root: Path) -> Path:
@@ -48,11 +51,14 @@ def build(name: str, root: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    benchlib.add_flags(ap, "2 trials", model=False)  # the models are the families'
     ap.add_argument("--family", nargs="*", default=None)
     args = ap.parse_args()
-    benchlib.scratch_home()
-    from localchat import backend
+    trials = benchlib.pick(args, 3, 2, 1)
+    history_tokens = benchlib.pick(args, 2048, 2048, 128)
+    max_tokens = benchlib.pick(args, 16, 16, 4)
+    home = benchlib.scratch_home()
+    import localchat.backend as backend
 
     backend.prepare()
     from families import FAMILIES
@@ -60,10 +66,10 @@ def main() -> None:
     from localchat.engine import Engine, now
     from localchat.session import Session, TurnOptions, open_session
 
-    trials = 2 if args.quick else 3
-    root = Path(tempfile.mkdtemp(prefix="families-"))
+    root = home / "families"
     rows, results = [], []
-    for name in args.family or list(FAMILIES):
+    for name in args.family or benchlib.pick(args, list(FAMILIES), list(FAMILIES),
+                                             SMOKE_FAMILIES):
         folder = build(name, root)
         session = open_session(str(folder))
         engine: Engine = session.engine
@@ -75,12 +81,12 @@ def main() -> None:
         conv = session.conversation(f"turns-{name}")
         per_turn = []
         for prompt in TURNS:
-            done = list(fresh().turn(conv, prompt, TurnOptions(max_tokens=16)))[-1]
+            done = list(fresh().turn(conv, prompt, TurnOptions(max_tokens=max_tokens)))[-1]
             u = done.usage
             per_turn.append((u.cached_tokens, u.prefilled_tokens, u.bytes_written))
         # A ~2k-token history, then one short message: resumed vs full prefill.
         long = session.conversation(f"long-{name}")
-        for m in benchlib.filler_messages(engine, 2048):
+        for m in benchlib.filler_messages(engine, history_tokens):
             session.store.add_message(long, m["role"], m["content"])
         list(fresh().turn(long, "Noted?", TurnOptions(max_tokens=1)))  # writes the cache
         history = session.store.messages(long)
@@ -100,7 +106,7 @@ def main() -> None:
         written = " · ".join(f"{w / 1024:.1f}" for _, _, w in per_turn)
         rows.append([name, info.layer_mix, f"{info.kv_bytes_per_token:,}",
                      f"{info.state_bytes:,}", turns, written, f"{r * 1000:.1f}",
-                     f"{f * 1000:.1f}", f"{f / r:.1f}x"])
+                     f"{f * 1000:.1f}", f"{benchlib.ratio(f, r):.1f}x"])
         results.append({"family": name, "layer_mix": info.layer_mix,
                         "kv_bytes_per_token": info.kv_bytes_per_token,
                         "state_bytes": info.state_bytes,
@@ -108,12 +114,14 @@ def main() -> None:
                                   for c, p, w in per_turn],
                         "resumed_ttft_s": r, "full_prefill_ttft_s": f})
         session.close()
-    print(f"# cache families · tiny random models · {benchlib.machine()} · "
-          f"median of {trials}")
+    print(f"# cache families · tiny random models · ~{history_tokens}-token history · "
+          f"{benchlib.machine()} · median of {trials}")
     benchlib.print_table(["family", "layers", "growing B/token", "checkpoint B",
                           "turns 1-4 cached/prefilled", "KB written per turn",
-                          "resumed TTFT ms (2k)", "full prefill ms (2k)", "ratio"], rows)
-    benchlib.print_json({"bench": "families", "machine": benchlib.machine(),
+                          "resumed TTFT ms", "full prefill ms", "ratio"], rows)
+    benchlib.print_json({"bench": "families", "mode": benchlib.mode(args),
+                         "model": "tiny random models (tests/families.py)",
+                         "machine": benchlib.machine(), "history_tokens": history_tokens,
                          "families": results})
 
 

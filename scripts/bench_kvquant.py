@@ -9,7 +9,10 @@ For each setting (8 and 4 bits, groups 32 and 64) on the default model (or -m MO
 - disk: cache bytes per token (headers, scales and biases included) vs the float16 cache.
 A setting that fails the gate is shown as refused (that is what ``--kv-bits`` does with it).
 
-Usage: python scripts/bench_kvquant.py [--quick] [-m MODEL]
+Usage: python scripts/bench_kvquant.py [--quick | --smoke] [-m MODEL]
+``--quick``: 8 and 4 bits, group 32, replies of 24 tokens. ``--smoke``: the same settings,
+replies of 8 tokens: every step in seconds on a tiny model whose head dimension a group of 32
+divides (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -45,26 +48,24 @@ def run_script(session, name: str, bits: int | None, group: int | None, max_toke
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 settings, shorter replies")
-    ap.add_argument("-m", "--model", default=None)
+    benchlib.add_flags(ap, "2 settings, shorter replies")
     args = ap.parse_args()
     benchlib.scratch_home()
-    from localchat import backend, kvquality
+    import localchat.backend as backend
+    import localchat.kvquality as kvquality
 
     backend.prepare()
-    from localchat import cachekinds as ck
+    import localchat.cachekinds as ck
     from localchat.errors import BadInput
-    from localchat.kvstore import KVStore
     from localchat.session import open_session
 
     session = open_session(args.model)
-    max_tokens = 24 if args.quick else 48
-    settings = SETTINGS[::2] if args.quick else SETTINGS
+    max_tokens = benchlib.pick(args, 48, 24, 8)
+    settings = benchlib.pick(args, SETTINGS, SETTINGS[::2], SETTINGS[::2])
     base_conv, base = run_script(session, "f16", 0, None, max_tokens)
 
     def disk_per_token(conv) -> float:
-        kv = KVStore(session.kv_root / str(conv.id))
-        man = kv.manifest()
+        man = session.kvstore(conv).manifest()
         return sum(s.nbytes for s in man.segments) / len(man.tokens)
 
     base_bpt = disk_per_token(base_conv)
@@ -73,11 +74,12 @@ def main() -> None:
         quality = kvquality.measure(session.engine, ck.KVQuant(bits, group))
         try:
             conv, got = run_script(session, f"q{bits}-{group}", bits, group, max_tokens)
-        except BadInput:
+        except BadInput as err:
             rows.append([f"{bits}-bit, group {group}", quality.agreement, quality.nll_delta,
                          "refused", "", "", ""])
             results.append({"bits": bits, "group": group, "gate_agreement": quality.agreement,
-                            "gate_nll_delta": quality.nll_delta, "refused": True})
+                            "gate_nll_delta": quality.nll_delta, "refused": True,
+                            "why": str(err)})
             continue
         same = total = 0
         for (a, _), (b, _) in zip(base, got):
@@ -86,10 +88,11 @@ def main() -> None:
         bpt = disk_per_token(conv)
         paris = "Paris" in got[0][1]
         rows.append([f"{bits}-bit, group {group}", quality.agreement, quality.nll_delta,
-                     f"{same / total:.0%}", "yes" if paris else "no", f"{bpt:,.0f}",
-                     f"{bpt / base_bpt:.3f}"])
+                     f"{benchlib.ratio(same, total):.0%}", "yes" if paris else "no",
+                     f"{bpt:,.0f}", f"{bpt / base_bpt:.3f}"])
         results.append({"bits": bits, "group": group, "gate_agreement": quality.agreement,
-                        "gate_nll_delta": quality.nll_delta, "greedy_agreement": same / total,
+                        "gate_nll_delta": quality.nll_delta,
+                        "greedy_agreement": benchlib.ratio(same, total),
                         "paris": paris, "disk_bytes_per_token": bpt,
                         "disk_vs_f16": bpt / base_bpt, "refused": False})
     print(f"# KV quantization · {session.engine.ref.name} · float16 cache "
@@ -99,7 +102,11 @@ def main() -> None:
     benchlib.print_table(["setting", "gate top-1 agree", "gate mean |Δ log p|",
                           "greedy tokens equal (4 turns)", "says Paris", "disk B/token",
                           "disk vs float16"], rows)
-    benchlib.print_json({"bench": "kvquant", "model": session.engine.ref.name,
+    for r in results:
+        if r["refused"]:
+            print(f"{r['bits']}-bit, group {r['group']} refused: {r['why']}")
+    benchlib.print_json({"bench": "kvquant", "mode": benchlib.mode(args),
+                         "model": session.engine.ref.name,
                          "machine": benchlib.machine(), "f16_bytes_per_token": base_bpt,
                          "settings": results})
 

@@ -11,7 +11,10 @@ For each history length, on the default model (or -m MODEL), side by side in one
 Disk: bytes per token of our segments vs theory (2 x layers x kv_heads x head_dim x bytes) and
 vs mlx-lm's file; bytes one turn writes vs the K/V of its new positions.
 
-Usage: python scripts/bench_resume.py [--quick] [-m MODEL] [--lengths 256,1024,...]
+Usage: python scripts/bench_resume.py [--quick | --smoke] [-m MODEL] [--lengths 256,1024,...]
+       [--trials N]
+``--quick``: 256 and 1k, 1 trial (~1 min). ``--smoke``: 128 and 256, 1 trial: every step in
+seconds on a tiny model (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -29,23 +32,23 @@ import benchlib  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="256 and 1k only, 1 trial (~1 min)")
-    ap.add_argument("-m", "--model", default=None)
+    benchlib.add_flags(ap, "256 and 1k only, 1 trial (~1 min)")
     ap.add_argument("--lengths", default=None)
     ap.add_argument("--trials", type=int, default=None)
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else (
-        [256, 1024] if args.quick else [256, 1024, 2048, 4096])
-    trials = args.trials or (1 if args.quick else 3)
+        benchlib.pick(args, [256, 1024, 2048, 4096], [256, 1024], [128, 256]))
+    trials = args.trials or benchlib.pick(args, 3, 1, 1)
 
     benchlib.scratch_home()
-    from localchat import backend, paths
+    import localchat.backend as backend
+    import localchat.paths as paths
 
     backend.prepare()
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    from localchat import attention
+    import localchat.attention as attention
     from localchat.engine import Engine, make_prompt_cache
     from localchat.events import TurnFinished
     from localchat.kvstore import common_prefix
@@ -121,14 +124,7 @@ def main() -> None:
         for _ in range(trials):
             t0 = time.perf_counter()
             loaded = load_prompt_cache(str(mlx_file))
-            logits = None
-            gen = engine.prefill(suffix, loaded)
-            while True:
-                try:
-                    next(gen)
-                except StopIteration as fin:
-                    logits = fin.value
-                    break
+            logits = benchlib.prefill(engine, suffix, loaded)
             int(mx.argmax(logits, axis=-1).item())
             mlxlm.append(time.perf_counter() - t0)
         ours = sess.kvstore(conv).disk_bytes()
@@ -140,7 +136,7 @@ def main() -> None:
             "resumed_mlx_attention_ttft_s": benchlib.median(resumed_mlx_attn),
             "full_prefill_ttft_s": benchlib.median(full),
             "mlxlm_load_ttft_s": benchlib.median(mlxlm),
-            "speedup_vs_full": benchlib.median(full) / benchlib.median(resumed),
+            "speedup_vs_full": benchlib.ratio(benchlib.median(full), benchlib.median(resumed)),
             "disk_bytes_per_token": ours / len(man.tokens),
             "disk_vs_theory": ours / theory,
             "mlxlm_file_vs_ours": mlx_per_token / (ours / len(man.tokens)),
@@ -167,7 +163,8 @@ def main() -> None:
     print(f"resumed TTFT at {last['history_tokens']} / at {first['history_tokens']} tokens: "
           f"{flat:.2f}x (MLX attention: {flat_mlx:.2f}x)")
     benchlib.print_json({
-        "bench": "resume", "model": info.name, "machine": benchlib.machine(),
+        "bench": "resume", "mode": benchlib.mode(args), "model": info.name,
+        "machine": benchlib.machine(),
         "results": results,
         "flatness_last_vs_first": flat,
         "flatness_mlx_attention": flat_mlx,

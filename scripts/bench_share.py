@@ -7,7 +7,10 @@ On the default model (or -m MODEL), in one run:
 - forking a ~4k-token conversation (``localchat fork``): bytes written, and the fork's next
   turn: cached vs prefilled tokens.
 
-Usage: python scripts/bench_share.py [--quick] [-m MODEL]
+Usage: python scripts/bench_share.py [--quick | --smoke] [-m MODEL]
+``--quick``: 2 trials. ``--smoke``: 1 trial, a ~128-token system prompt and a ~256-token
+conversation to fork: every step in seconds on a tiny model (``tests/test_scripts.py`` runs
+it); its figures mean nothing.
 Prints a table, then one JSON line.
 """
 
@@ -24,12 +27,13 @@ import benchlib  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("-m", "--model", default=None)
+    benchlib.add_flags(ap, "2 trials")
     args = ap.parse_args()
-    trials = 2 if args.quick else 3
+    trials = benchlib.pick(args, 3, 2, 1)
+    system_tokens = benchlib.pick(args, 2048, 2048, 128)
+    long_tokens = benchlib.pick(args, 4096, 4096, 256)
     benchlib.scratch_home()
-    from localchat import backend
+    import localchat.backend as backend
 
     backend.prepare()
     from localchat.session import Session, TurnOptions, open_session
@@ -40,8 +44,9 @@ def main() -> None:
     def fresh() -> Session:
         return Session(session.store, engine, session.kv_root, session.locks_dir)
 
-    system = benchlib.filler_messages(engine, 2048)[0]["content"]
+    system = benchlib.filler_messages(engine, system_tokens)[0]["content"]
     donor = session.conversation("donor", system=system)
+    # The donor's turn stores the system prompt's cache, and warms up.
     list(fresh().turn(donor, "Summarise this in one line.", TurnOptions(max_tokens=8)))
     shared, alone = [], []
     cached = 0
@@ -56,24 +61,25 @@ def main() -> None:
     prompt_tokens = done.usage.prompt_tokens
     # A ~4k-token conversation, forked.
     long = session.conversation("long")
-    for m in benchlib.filler_messages(engine, 4096):
+    for m in benchlib.filler_messages(engine, long_tokens):
         session.store.add_message(long, m["role"], m["content"])
     list(fresh().turn(long, "Noted?", TurnOptions(max_tokens=4)))
-    fork, written = session.conversations.fork(session.store.get("long"), "long-fork")
+    fork, written = session.fork(session.store.get("long"), "long-fork")
     nxt = list(fresh().turn(fork, "And the next day?", TurnOptions(max_tokens=4)))[-1].usage
     s, a = benchlib.median(shared), benchlib.median(alone)
-    print(f"# shared prefixes and forks · {engine.ref.name} · {benchlib.machine()} · "
-          f"median of {trials}")
+    print(f"# shared prefixes and forks · {engine.ref.name} · ~{system_tokens}-token system "
+          f"prompt · {benchlib.machine()} · median of {trials}")
     benchlib.print_table(
         ["case", "prompt tokens", "cached", "TTFT", "vs nothing stored"],
-        [["new conversation, ~2k-token system prompt stored by another", prompt_tokens,
-          cached, f"{s:.3f} s", f"{a / s:.1f}x faster"],
+        [["new conversation, its system prompt stored by another", prompt_tokens,
+          cached, f"{s:.3f} s", f"{benchlib.ratio(a, s):.1f}x faster"],
          ["same first turn, nothing stored (--no-cache)", prompt_tokens, 0, f"{a:.3f} s",
           "1.0x"],
          [f"fork of a {nxt.prompt_tokens - nxt.prefilled_tokens}-token conversation: "
           f"{written:,} B written; next turn", nxt.prompt_tokens, nxt.cached_tokens,
           f"{nxt.ttft_s:.3f} s", ""]])
-    benchlib.print_json({"bench": "share", "model": engine.ref.name,
+    benchlib.print_json({"bench": "share", "mode": benchlib.mode(args),
+                         "model": engine.ref.name, "system_tokens": system_tokens,
                          "machine": benchlib.machine(), "prompt_tokens": prompt_tokens,
                          "shared_cached_tokens": cached, "shared_ttft_s": s,
                          "alone_ttft_s": a, "fork_bytes_written": written,

@@ -1,0 +1,170 @@
+"""Every benchmark script runs, in its quickest form, on a tiny model: none can rot.
+
+Each test runs ``scripts/bench_X.py --smoke`` as a user would (a subprocess, ``-m`` a tiny
+model folder) and checks what every script promises: exit status 0, no traceback on stderr,
+the last line of stdout one JSON object with the script's keys, every step taken (each trial
+kind, each row of the table), and the data folder it was given left untouched (the script
+works in its own scratch folder, ``benchlib.scratch_home``, removed when it ends). Figures are
+not checked: a smoke run's mean nothing.
+
+What it is not: a benchmark (``--quick`` and full runs need the real default model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from tiny import build_tiny_model
+
+SCRIPTS = Path(__file__).parent.parent / "scripts"
+TIMEOUT = 180  # seconds per script; each takes 1-25 s on a 2-core machine
+COMMON = {"bench", "mode", "model", "machine"}
+
+
+@dataclass(frozen=True)
+class Case:
+    """How to run one script and what its JSON line must hold."""
+
+    keys: set[str]
+    check: Callable[[dict], None] = lambda record: None  # every step taken
+    model: bool = True  # pass -m (bench_families builds its own tiny models)
+
+
+def _attention(r: dict) -> None:
+    assert [h["history_tokens"] for h in r["histories"]] == [0, 256]
+    assert r["prompts"] == 2 and r["trials"] == 2
+
+
+def _batch(r: dict) -> None:
+    assert r["lines"] == 2 and len(r["cached_tokens"]) == 2
+    assert r["cached_tokens"][0] == 0 and r["cached_tokens"][1] > 0  # the prefix was reused
+    assert r["decode_strategies"]["lines"] == 2
+
+
+def _cluster(r: dict) -> None:
+    # The tiny llama splits by heads (4 heads, 2 KV heads over 2 ranks), not by layers.
+    assert [row["mode"] for row in r["rows"]] == ["one process", "tensor"]
+    assert set(r["skipped"]) == {"pipeline"} and "layers" in r["skipped"]["pipeline"]
+    assert all(row["cached"] > 0 for row in r["rows"])  # turn 2 resumed on every rank
+
+
+def _decode(r: dict) -> None:
+    assert r["stock"] is not None and r["fast"]["model"] == r["model"]
+
+
+def _families(r: dict) -> None:
+    assert [f["family"] for f in r["families"]] == ["llama", "qwen3_next"]
+    assert all(len(f["turns"]) == 4 and f["turns"][-1]["cached"] > 0 for f in r["families"])
+
+
+def _kvquant(r: dict) -> None:
+    assert [(s["bits"], s["group"]) for s in r["settings"]] == [(8, 32), (4, 32)]
+    assert not r["settings"][0]["refused"]  # 8-bit passes the gate: the quantized turns ran
+
+
+def _resume(r: dict) -> None:
+    assert len(r["results"]) == 2
+
+
+def _share(r: dict) -> None:
+    assert r["shared_cached_tokens"] > 0 and r["fork_next_turn"]["cached_tokens"] > 0
+
+
+CASES = {
+    "attention": Case({"histories", "ttft_flatness", "decode_flatness", "prefill_tokens",
+                       "prefill_tps", "prefill_speedup", "greedy_agree", "prompts",
+                       "max_logit_diff"}, _attention),
+    "batch": Case({"lines", "batch_wall_s", "asks_wall_s", "asks_vs_batch", "parallel_wall_s",
+                   "parallel_replies_equal", "cached_tokens", "decode_strategies"}, _batch),
+    "cluster": Case({"rows", "skipped"}, _cluster),
+    "coldstart": Case({"history", "trials", "resumed_s", "full_prefill_s", "ratio"}),
+    "decode": Case({"fast", "stock", "decode_vs_mlxlm", "prefill_speedup_vs_stock",
+                    "decode_speedup_vs_stock", "attention_prefill_speedup",
+                    "attention_decode_speedup"}, _decode),
+    "draft": Case({"note_tokens", "ttft_one_word_s", "ttft_paste_wait_s", "ttft_paste_at_once_s",
+                   "enter_to_screen_one_word_s", "draft_tokens", "paste_to_prefilled_s",
+                   "key_ms_median_draft_on", "key_ms_median_draft_off"}),
+    "families": Case({"families", "history_tokens"}, _families, model=False),
+    "kvquant": Case({"f16_bytes_per_token", "settings"}, _kvquant),
+    "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
+    "share": Case({"prompt_tokens", "shared_cached_tokens", "shared_ttft_s", "alone_ttft_s",
+                   "fork_bytes_written", "fork_next_turn"}, _share),
+}
+
+
+def test_every_script_has_a_case():
+    found = {p.stem.removeprefix("bench_") for p in SCRIPTS.glob("bench_*.py")}
+    assert found == set(CASES)
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory) -> Path:
+    # 128 wide, 4 heads: head dimension 32, so bench_kvquant's group of 32 fits (the suite's
+    # tiny_model has 16); 2 KV heads, so 2 ranks split it by heads (bench_cluster).
+    return build_tiny_model(tmp_path_factory.mktemp("bench") / "tiny-llama", hidden=128)
+
+
+def _attention_unavailable() -> str:
+    import localchat.backend as backend
+
+    if not backend.cpu_path() or os.environ.get("LOCALCHAT_CPU_ATTENTION") == "mlx":
+        return "bench_attention compares two CPU attention paths; MLX does not run on the CPU here"
+    return ""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_smoke_run(name: str, bench_model: Path, tmp_path: Path):
+    case = CASES[name]
+    if name == "attention" and (why := _attention_unavailable()):
+        pytest.skip(why)
+    script = SCRIPTS / f"bench_{name}.py"
+    cmd = [sys.executable, str(script), "--smoke"]
+    if case.model:
+        cmd += ["-m", str(bench_model)]
+    home, scratch = tmp_path / "home", tmp_path / "tmp"
+    scratch.mkdir()
+    env = {**os.environ, "LOCALCHAT_HOME": str(home), "TMPDIR": str(scratch),
+           "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+                         cwd=SCRIPTS.parent)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Traceback" not in out.stderr, out.stderr[-4000:]
+    lines = out.stdout.strip().splitlines()
+    record = json.loads(lines[-1])
+    assert isinstance(record, dict)
+    assert record["bench"] == name and record["mode"] == "smoke"
+    assert COMMON | case.keys <= record.keys(), sorted(COMMON | case.keys - record.keys())
+    case.check(record)
+    assert any(line.startswith("|") for line in lines[:-1]), "no table before the JSON line"
+    assert not home.exists(), "the script wrote into the data folder it was given"
+    assert not list(scratch.glob("localchat-bench-*")), "the scratch data folder was left"
+
+
+
+def test_cluster_script_model_splits_both_ways(home: Path, tmp_path: Path):
+    """bench_cluster's own model (its run without -m; tiny under --smoke) splits by heads and
+    by layers over 2 ranks, and loads. The smoke run above passes -m instead: the tiny llama
+    takes the skipped-split row, and one split fewer keeps the file under two minutes."""
+    import importlib.util
+
+    from localchat.cluster import check_shard
+    from localchat.engine import Engine
+
+    spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPTS / "bench_cluster.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    folder = bench.build(tmp_path / "qwen2", bench.TINY_BODY)
+    config = json.loads((folder / "config.json").read_text())
+    assert [check_shard(config, s, 2, "qwen2") for s in ("tensor", "pipeline")] == [
+        "tensor", "pipeline"]
+    engine = Engine.load(str(folder))
+    cache = engine.new_cache()
+    logits = bench.benchlib.prefill(engine, engine.encode("Hello there"), cache)
+    assert len(list(engine.decode(cache, logits, 3))) >= 1
