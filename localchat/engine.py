@@ -185,8 +185,11 @@ class Engine:
         """What this model's caches on disk are validated against (see ``kvstore.Layout``),
         for a conversation storing its K/V as ``quant`` (None: float16/bfloat16)."""
         info = self.info()
+        # Token ids at or past the vocabulary would read an embedding that does not exist.
+        text = self.config.get("text_config") or {}
+        vocab = int(self.config.get("vocab_size") or text.get("vocab_size") or 0)
         return Layout(self.cache_fingerprint, info.kv_dtype, self._layout,
-                      quant.bits if quant else 0, quant.group if quant else 0)
+                      quant.bits if quant else 0, quant.group if quant else 0, vocab)
 
     # -- text ------------------------------------------------------------------------------
 

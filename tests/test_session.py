@@ -126,9 +126,13 @@ def test_disk_size_is_close_to_theory(store, engine, session):
 
 
 def _corrupt_manifest_fingerprint(folder):
+    """Another model's manifest: its checksum is right (kvformat.seal)."""
+    from localchat.kvformat import seal
+
     man = json.loads((folder / "manifest.json").read_text())
+    del man["checksum"]
     man["fingerprint"] = "0" * 32 + "-float32-kv0"
-    (folder / "manifest.json").write_text(json.dumps(man))
+    (folder / "manifest.json").write_text(seal(man))
 
 
 def _flip_a_byte(folder):
@@ -158,8 +162,10 @@ def test_damaged_cache_is_rebuilt_with_the_same_reply(store, engine, session):
 def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session):
     """The tiny model's greedy reply depends on its context, so "equals a full prefill" is
     a real check: two histories give two replies, and a cache with wrong K/V (damage that
-    slips past the checksum because we fix the checksum up) gives another reply."""
+    slips past the checksums because we fix them up) gives another reply."""
     import zlib
+
+    from localchat.kvformat import seal
 
     a, b = store.create("ctl-a", engine.ref.name), store.create("ctl-b", engine.ref.name)
     run(session, a, "Hello, how are you today?")
@@ -176,11 +182,14 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
     seg = folder / man["segments"][0]["file"]
     data = bytearray(seg.read_bytes())
     header = 8 + int.from_bytes(data[:8], "little")
+    ids = json.loads(data[8:header])["tokens"]["data_offsets"]  # the token ids stay right
     for i in range(header, len(data), 7):  # scramble the stored K/V, keep the header valid
-        data[i] ^= 0x5A
+        if not ids[0] <= i - header < ids[1]:
+            data[i] ^= 0x5A
     seg.write_bytes(bytes(data))
     man["segments"][0]["crc32"] = zlib.crc32(bytes(data))
-    (folder / "manifest.json").write_text(json.dumps(man))
+    del man["checksum"]
+    (folder / "manifest.json").write_text(seal(man))
     wrong, notes = run(restart(store, engine), conv, "Tell me more.")
     assert notes == [] and wrong.usage.cached_tokens > 0  # it was used
     reference = full_prefill_reply(store, engine, conv, "Tell me more.", before)
