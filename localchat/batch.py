@@ -55,7 +55,7 @@ from pathlib import Path
 from .errors import BadInput, LocalchatError
 from .events import Notice, TurnFinished, Usage
 from .fmt import StatusLine
-from .prefixes import PrefixPool
+from .kvcache.prefixes import PrefixPool
 from .session import Session, TurnOptions
 
 KEYS = ("id", "prompt", "messages", "conversation", "system", "max_tokens")
@@ -404,7 +404,7 @@ def done_ids(path: Path) -> set[str | int]:
             obj = json.loads(raw.removeprefix(BOM).decode("utf-8"))
         except (ValueError, RecursionError):  # damaged or not JSON: that line runs again
             continue
-        if isinstance(obj, dict) and "reply" in obj and "error" not in obj:
+        if isinstance(obj, dict) and isinstance(obj.get("reply"), str) and "error" not in obj:
             job_id = obj.get("id")
             if isinstance(job_id, (str, int)) and not isinstance(job_id, bool):
                 ids.add(job_id)

@@ -17,10 +17,7 @@ import sys
 from collections.abc import Callable
 
 from . import crashlog, paths
-from .errors import BadInput, LocalchatError
-from .fmt import StatusLine, human_bytes, say
-from .models import DEFAULT_MODEL
-from .storecmds import (
+from .cli_data import (
     cmd_cache,
     cmd_export,
     cmd_fork,
@@ -30,6 +27,9 @@ from .storecmds import (
     cmd_show,
     open_store,
 )
+from .errors import BadInput, LocalchatError
+from .fmt import StatusLine, human_bytes, say
+from .models import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     finally:
-        if (launch := sys.modules.get("localchat.launch")) is not None:
+        if (launch := sys.modules.get("localchat.cluster.launch")) is not None:
             launch.shutdown()
 
 
@@ -170,7 +170,8 @@ def start_cluster(args, model: str | None):
     the group to load the model over, or None for one process."""
     if not (getattr(args, "hosts", None) or getattr(args, "hostfile", None)):
         return None
-    from . import backend, cluster, launch
+    from .cluster import launch, split
+    from .cpu import backend
     from .models import resolve
 
     hosts = launch.parse_hosts(args.hosts, args.hostfile)
@@ -190,7 +191,7 @@ def start_cluster(args, model: str | None):
         config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
         raise BadInput(f"cannot read {ref.name}'s config.json: {err}") from None
-    shard = cluster.check_shard(config, args.shard, len(hosts), ref.name)
+    shard = split.check_shard(config, args.shard, len(hosts), ref.name)
     local = all(h.ip in launch.LOOPBACK for h in hosts)
     # Followers on this machine load the same folder; elsewhere they resolve the name.
     ring = launch.start(hosts, shard, str(ref.path) if local else model, say)
@@ -405,9 +406,10 @@ def open_output(path, append: bool):
 
 def cmd_inspect(args) -> int:
     """What the KV cache costs for a model: layer mix, bytes per token, state, bytes on disk."""
-    from . import backend, budget
+    from .cpu import backend
     from .engine import Engine
-    from .kvstore import CacheInvalid, KVStore
+    from .kvcache import budget
+    from .kvcache.folder import CacheInvalid, KVStore
 
     engine = Engine.load(args.model, progress=say)
     for text in engine.notices:

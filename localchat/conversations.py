@@ -5,7 +5,7 @@ a model is loaded.
 What it is: the conversations of one data folder — their rows in SQLite (``store.py``) and
 their cache folders on this machine (``kv/`` and every rank's folder under ``kv-shards/``:
 ``budget.cache_roots``), each touched under the conversation's lock. What it is not: a turn
-(``session.py``) or what a cache holds (``turncache.py``, ``kvstore.py``).
+(``session.py``) or what a cache holds (``turncache.py``, ``kvcache/folder.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from . import budget, paths
+from . import paths
 from .errors import BadInput
+from .kvcache import budget
+from .kvcache.sharing import link_cache
 from .locks import ConversationLock
-from .sharing import link_cache
 from .store import Conversation, Store
 
 

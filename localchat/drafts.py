@@ -18,10 +18,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
-from . import cachekinds as ck
 from .conversations import Conversations
 from .events import DraftProgress
-from .kvstore import common_prefix
+from .kvcache import kinds as ck
+from .kvcache.folder import common_prefix
 from .store import Conversation
 from .turncache import Live, TurnCache
 

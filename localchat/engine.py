@@ -4,7 +4,7 @@ What it is: the only module that runs the model. It knows nothing of conversatio
 UIs; ``session.py`` drives it. What it is not: a sampler zoo or a server.
 
 Invariant kept for the session: after ``prefill`` and ``decode`` the KV cache holds exactly
-the tokens fed to the model, so ``cachekinds.position(cache)`` is the length of the cached
+the tokens fed to the model, so ``kvcache.kinds.position(cache)`` is the length of the cached
 token list.
 ``decode`` feeds each yielded token before yielding the next one; it never feeds an EOS (the
 next turn prefills it, as the template renders it), and feeds the last allowed token only
@@ -18,10 +18,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from . import attention, backend
-from . import cachekinds as ck
+from .cpu import attention, backend
 from .errors import ModelBroken
-from .kvstore import Layout, common_prefix
+from .kvcache import kinds as ck
+from .kvcache.folder import Layout, common_prefix
 from .models import ModelRef, model_digest, resolve
 from .paths import cpu_weights_dir
 
@@ -33,7 +33,7 @@ ONE_PASS = 32  # prefills up to this long run the whole model once (see ``Engine
 class ModelInfo:
     """What the KV cache of a model costs; shown by ``localchat inspect`` and the status bar.
 
-    Read from the real cache objects (``cachekinds.py``). ``kv_heads`` and ``head_dim`` are
+    Read from the real cache objects (``kvcache/kinds.py``). ``kv_heads`` and ``head_dim`` are
     those of the first growing layer (for MLA: one latent "head" of the latent width).
     """
 
@@ -67,17 +67,17 @@ class Engine:
         self._compute_dtype = None
         self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
-        from .cluster import Solo
+        from .cluster.group import Solo
 
-        self.group = Solo()  # the ranks this model is split over (``cluster.py``)
+        self.group = Solo()  # the ranks this model is split over (``cluster/``)
 
     @classmethod
     def load(cls, name: str | None = None, progress: Callable[[str], None] | None = None,
              *, group=None) -> Engine:
         """Resolve ``name`` (see ``models.resolve``), then load weights and tokenizer.
 
-        ``group``: a ``cluster.Ring`` to load this rank's shard of the model (every rank
-        calls this at the same time; ``cluster.check_shard`` says which models split how).
+        ``group``: a ``cluster.group.Ring`` to load this rank's shard of the model (every rank
+        calls this at the same time; ``cluster.split.check_shard`` says which models split how).
 
         Raises:
             ModelNotFound / ModelBroken: with a one-line reason. BadInput: a model that
@@ -101,10 +101,10 @@ class Engine:
         weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
         slow = backend.slow_path_notice()
         if split:
-            from . import cluster
+            from .cluster import split
 
             engine.group = group
-            tuned = cluster.split_model(model, config, group, ref.name, lambda m, suffix:
+            tuned = split.split_model(model, config, group, ref.name, lambda m, suffix:
                                         backend.tune(m, weights_cache.with_name(
                                             f"{digest[:32]}{suffix}.safetensors"), digest))
         else:
@@ -182,7 +182,7 @@ class Engine:
         )
 
     def layout(self, quant: ck.KVQuant | None = None) -> Layout:
-        """What this model's caches on disk are validated against (see ``kvstore.Layout``),
+        """What this model's caches on disk are validated against (see ``kvcache.folder.Layout``),
         for a conversation storing its K/V as ``quant`` (None: float16/bfloat16)."""
         info = self.info()
         # Token ids at or past the vocabulary would read an embedding that does not exist.

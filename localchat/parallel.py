@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from .engine import now
 from .errors import LocalchatError
 from .events import Usage
-from .kvstore import common_prefix
-from .prefixes import PrefixPool
+from .kvcache.folder import common_prefix
+from .kvcache.prefixes import PrefixPool
 from .session import Session
 
 

@@ -95,7 +95,7 @@ def cpu_weights_dir() -> Path:
 
 
 def runtime_dir() -> Path:
-    """Runtime libraries localchat derives from its wheels (see ``backend.py``)."""
+    """Runtime libraries localchat derives from its wheels (see ``cpu/backend.py``)."""
     return data_home() / "cpu-runtime"
 
 

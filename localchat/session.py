@@ -6,7 +6,7 @@ cache → prefill the rest → decode → persist — and is composed of parts w
 
 - ``conversations`` (``conversations.py``): find or create, rename, history, fork, delete;
 - ``cache`` (``turncache.py``): where a turn resumes, what it writes, the cache in memory;
-- ``sharing`` (``sharing.py``): prefixes another conversation's cache can lend;
+- ``sharing`` (``kvcache/sharing.py``): prefixes another conversation's cache can lend;
 - ``drafts`` (``drafts.py``): the next message prefilled while it is typed.
 
 ``turn`` is the one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the
@@ -35,17 +35,18 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import cachekinds as ck
-from . import kvquality, paths
-from .cluster import ClusterLost
+from . import paths
+from .cluster.group import ClusterLost
 from .conversations import Conversations
 from .drafts import Drafts, NoDrafts
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
-from .kvstore import CacheInvalid, KVStore
-from .prefixes import PrefixPool
-from .sharing import MIN_SHARED, NoSharing, Sharing
+from .kvcache import kinds as ck
+from .kvcache import quality as kvquality
+from .kvcache.folder import CacheInvalid, KVStore
+from .kvcache.prefixes import PrefixPool
+from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
 from .store import Conversation, Store
 from .turncache import Prior, Start, TurnCache
 
@@ -103,7 +104,7 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
         load_engine: ``Engine.load`` unless a test passes another loader.
         lock_timeout: seconds to wait for a conversation another process uses
             (default: ``LOCALCHAT_LOCK_TIMEOUT`` or 60).
-        group: a ``cluster.Ring`` (rank 0) to run the model split over several processes.
+        group: a ``cluster.group.Ring`` (rank 0) to run the model split over several processes.
     Raises:
         StorageError, ModelNotFound, ModelBroken.
     """

@@ -22,16 +22,9 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import budget
-from . import cachekinds as ck
-from .kvstore import (
-    KEEP_CHECKPOINTS,
-    CacheInvalid,
-    KVStore,
-    Layout,
-    Manifest,
-    common_prefix,
-)
+from .kvcache import budget
+from .kvcache import kinds as ck
+from .kvcache.folder import KEEP_CHECKPOINTS, CacheInvalid, KVStore, Layout, Manifest, common_prefix
 from .store import Conversation
 
 HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place

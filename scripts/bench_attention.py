@@ -1,4 +1,4 @@
-"""CPU attention: MLX's own (``LOCALCHAT_CPU_ATTENTION=mlx``) vs ours (localchat/attention.py).
+"""CPU attention: MLX's own (``LOCALCHAT_CPU_ATTENTION=mlx``) vs ours (localchat/cpu/attention.py).
 
 Side by side in one process on the default model (or -m MODEL), trials interleaved (the two
 paths alternate, order flipped each trial, so machine noise hits both alike):
@@ -60,12 +60,12 @@ def main() -> None:
     exact_history = benchlib.pick(args, 1024, 1024, 64)
 
     benchlib.scratch_home()
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     backend.prepare()
     import mlx.core as mx
 
-    import localchat.attention as attention
+    import localchat.cpu.attention as attention
     from localchat.engine import Engine
 
     engine = Engine.load(args.model)

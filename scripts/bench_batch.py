@@ -51,15 +51,15 @@ def in_process(model: str | None, questions: list[str], system_tokens: int,
                max_tokens: int) -> dict:
     """One-at-a-time decode vs mlx-lm's batch_generate, in this process, both from the
     shared prefix in a PrefixPool."""
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
     import localchat.paths as paths
 
     backend.prepare()
     from mlx_lm.generate import batch_generate
 
     from localchat.engine import Engine
-    from localchat.kvstore import common_prefix
-    from localchat.prefixes import PrefixPool
+    from localchat.kvcache.folder import common_prefix
+    from localchat.kvcache.prefixes import PrefixPool
     from localchat.session import Session, TurnFinished, TurnOptions
     from localchat.store import Store
 

@@ -61,7 +61,7 @@ def build(out: Path, body: dict) -> Path:
 
 def unsplittable(model: Path, name: str, split: str) -> str:
     """Why ``model`` cannot be split ``split``-wise over 2 ranks ("" if it can)."""
-    from localchat.cluster import check_shard
+    from localchat.cluster.split import check_shard
     from localchat.errors import BadInput
 
     try:
@@ -87,7 +87,7 @@ def main() -> None:
     reply = benchlib.pick(args, 128, 32, 4)
     history = " ".join(f"word{i % 97} and more" for i in range(words))
     home = benchlib.scratch_home()  # every `localchat ask` below inherits it
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     backend.prepare()
     if args.model:

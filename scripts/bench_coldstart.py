@@ -48,7 +48,7 @@ def main() -> None:
     history = args.history or benchlib.pick(args, 1024, 1024, 128)
     home = benchlib.scratch_home()
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
     import localchat.paths as paths
 
     backend.prepare()

@@ -7,7 +7,7 @@ Side by side in one run, on the default model (or -m MODEL), same prompt:
    on a Linux CPU) vs the stock set-up (``LOCALCHAT_BLAS=off LOCALCHAT_DEQUANTIZE=0``: MLX's
    bundled reference BLAS, 4-bit weights), each in its own process;
 3. CPU attention: the same turn with MLX's own attention (``LOCALCHAT_CPU_ATTENTION=mlx``)
-   in the same process, rounds interleaved with ours (localchat/attention.py). ``--history N``
+   in the same process, rounds interleaved with ours (localchat/cpu/attention.py). ``--history N``
    puts an N-token conversation before the prompt, where attention weighs more.
 
 Usage: python scripts/bench_decode.py [--quick | --smoke] [-m MODEL] [--history N]
@@ -35,14 +35,14 @@ def measure(model: str | None, trials: int, tokens: int, words: int, history: in
             ) -> dict:
     """In this process: localchat turn figures (with our CPU attention and with MLX's) and
     plain mlx-lm decode on the same model."""
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
     import localchat.paths as paths
 
     backend.prepare()
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
-    import localchat.attention as attention
+    import localchat.cpu.attention as attention
     from localchat.engine import Engine
     from localchat.events import TurnFinished, Usage
     from localchat.session import Session, TurnOptions

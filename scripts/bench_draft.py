@@ -169,7 +169,7 @@ def main() -> None:
     note_tokens = args.tokens or benchlib.pick(args, 1000, 1000, 64)
 
     benchlib.scratch_home()
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     backend.prepare()
     from localchat.engine import Engine

@@ -58,7 +58,7 @@ def main() -> None:
     history_tokens = benchlib.pick(args, 2048, 2048, 128)
     max_tokens = benchlib.pick(args, 16, 16, 4)
     home = benchlib.scratch_home()
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     backend.prepare()
     from families import FAMILIES

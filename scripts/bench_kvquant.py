@@ -1,7 +1,7 @@
 """Quantized KV caches: quality against the float16 cache, and disk per token, side by side.
 
 For each setting (8 and 4 bits, groups 32 and 64) on the default model (or -m MODEL):
-- the quality gate's figures (``localchat/kvquality.py``: teacher-forced over a fixed English
+- the quality gate's figures (``localchat/kvcache/quality.py``: teacher-forced over a fixed English
   and Korean conversation — top-1 agreement and mean |Δ log p| of the reference reply);
 - greedy agreement of real turns: a fixed 4-turn script (English and Korean) run with the
   setting, every turn resumed from disk, against the same script with a float16 cache — the
@@ -51,11 +51,11 @@ def main() -> None:
     benchlib.add_flags(ap, "2 settings, shorter replies")
     args = ap.parse_args()
     benchlib.scratch_home()
-    import localchat.backend as backend
-    import localchat.kvquality as kvquality
+    import localchat.cpu.backend as backend
+    import localchat.kvcache.quality as kvquality
 
     backend.prepare()
-    import localchat.cachekinds as ck
+    import localchat.kvcache.kinds as ck
     from localchat.errors import BadInput
     from localchat.session import open_session
 

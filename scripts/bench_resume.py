@@ -4,7 +4,7 @@ For each history length, on the default model (or -m MODEL), side by side in one
 - localchat resumed: a new Session (nothing in memory) answers a new message; the cache comes
   from the conversation's segments on disk, only the new message is prefilled;
 - the same with MLX's own CPU attention (what ``LOCALCHAT_CPU_ATTENTION=mlx`` runs; trials
-  interleaved with the row above), to show what localchat/attention.py changes;
+  interleaved with the row above), to show what localchat/cpu/attention.py changes;
 - full prefill: the same conversation state answered with no cache at all;
 - mlx-lm route: ``load_prompt_cache`` of a ``save_prompt_cache`` file of the same cache, then
   the new message prefilled (what an mlx-lm user would do by hand).
@@ -41,17 +41,17 @@ def main() -> None:
     trials = args.trials or benchlib.pick(args, 3, 1, 1)
 
     benchlib.scratch_home()
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
     import localchat.paths as paths
 
     backend.prepare()
     import mlx.core as mx
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    import localchat.attention as attention
+    import localchat.cpu.attention as attention
     from localchat.engine import Engine, make_prompt_cache
     from localchat.events import TurnFinished
-    from localchat.kvstore import common_prefix
+    from localchat.kvcache.folder import common_prefix
     from localchat.session import Session, TurnOptions
     from localchat.store import Store
 

@@ -33,7 +33,7 @@ def main() -> None:
     system_tokens = benchlib.pick(args, 2048, 2048, 128)
     long_tokens = benchlib.pick(args, 4096, 4096, 256)
     benchlib.scratch_home()
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     backend.prepare()
     from localchat.session import Session, TurnOptions, open_session

@@ -9,7 +9,7 @@ still takes every step (warm-up, each kind of trial, the table, the JSON line): 
 ``tests/test_scripts.py`` runs on a tiny model (``-m FOLDER``) so that no script rots. A smoke
 run's figures mean nothing; its JSON line says ``"mode": "smoke"``.
 
-The scripts name localchat's modules by their dotted paths (``import localchat.backend as
+The scripts name localchat's modules by their dotted paths (``import localchat.cpu.backend as
 backend``, ``from localchat.engine import Engine``), so a module that moves is one search and
 replace away.
 """
@@ -148,7 +148,7 @@ def machine() -> str:
         cpu = model
     except (OSError, StopIteration):
         pass
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     return (f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, {cpu}, "
             f"matmuls: {backend.describe()}")

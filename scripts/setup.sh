@@ -18,4 +18,4 @@ esac
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet -e ".${extras:+[$extras]}"
 # Which BLAS the CPU path gets, measured; on a Linux CPU without a fast one, the fix to run.
-.venv/bin/python -m localchat.backend
+.venv/bin/python -m localchat.cpu.backend

@@ -11,12 +11,13 @@ import asyncio
 import json
 import sys
 
-from localchat import backend
+from localchat.cpu import backend
 
 backend.prepare()
 
-from localchat import launch, paths  # noqa: E402
+from localchat import paths  # noqa: E402
 from localchat.cli import build_parser, start_cluster  # noqa: E402
+from localchat.cluster import launch  # noqa: E402
 from localchat.store import Store  # noqa: E402
 from localchat.tui.app import LocalchatApp  # noqa: E402
 from localchat.tui.chatview import AssistantMessage  # noqa: E402

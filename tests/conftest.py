@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from localchat import backend  # noqa: E402
+from localchat.cpu import backend  # noqa: E402
 
 backend.prepare()  # as the app does, before anything imports mlx.core
 

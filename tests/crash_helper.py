@@ -20,7 +20,7 @@ def die():
 def main():
     mode = sys.argv[1]
     args = sys.argv[sys.argv.index("--") + 1:]
-    from localchat import backend
+    from localchat.cpu import backend
 
     backend.prepare()
     from localchat import files, store

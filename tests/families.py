@@ -57,7 +57,7 @@ Every family gives the same logits (to ~1e-5) for a 150-token prompt fed at once
 chunks, or one token at a time, so cache-reuse equivalence tests can compare outputs closely;
 deepseek_v32's top-k indexer and the MoE routers did not flip in 25 random prompts each.
 
-Import mlx lazily (inside functions): the tests call ``localchat.backend.prepare()`` before
+Import mlx lazily (inside functions): the tests call ``localchat.cpu.backend.prepare()`` before
 ``mlx.core`` is first imported.
 """
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from localchat import attention
+from localchat.cpu import attention
 
 REFERENCE = attention.mlx_attention()  # MLX's own, taken before any test replaces it
 

@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from localchat import backend
+from localchat.cpu import backend
 from localchat.engine import Engine
 
 
@@ -79,7 +79,7 @@ def _without_system_gfortran(cmd: list[str]) -> list[str]:
 def test_fresh_machine_without_libgfortran_still_gets_openblas(tmp_path):
     import subprocess
 
-    code = ("import ctypes.util; from localchat import backend; s = backend.prepare(); "
+    code = ("import ctypes.util; from localchat.cpu import backend; s = backend.prepare(); "
             "import mlx.core as mx; a = mx.arange(16.0).reshape(4, 4); "
             "print(s.path, ctypes.util.find_library('gfortran'), (a @ a).sum().item())")
     env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home")}
@@ -175,7 +175,7 @@ def test_other_backends_keep_quantized_weights_and_mlx_attention(home, quantized
     replies are the quantized model's."""
     from mlx_lm.utils import load_model
 
-    from localchat import attention
+    from localchat.cpu import attention
 
     monkeypatch.setenv("LOCALCHAT_CPU_PATH", "off")
     assert backend.cpu_path() is False
@@ -202,7 +202,7 @@ def test_other_backends_load_no_blas(tmp_path):
     """No BLAS is loaded before MLX when the CPU path is off (a fresh process)."""
     import subprocess
 
-    code = ("from localchat import backend; s = backend.prepare(); "
+    code = ("from localchat.cpu import backend; s = backend.prepare(); "
             "print(s.path, s.disabled, backend.blas_in_use())")
     env = {**os.environ, "LOCALCHAT_CPU_PATH": "off"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

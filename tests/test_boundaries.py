@@ -224,7 +224,7 @@ def test_an_unexpected_error_in_the_cli_is_one_line_and_a_log(home, capsys, monk
 
 APP_CRASH = """
 import sys
-from localchat import backend
+from localchat.cpu import backend
 backend.prepare()
 from localchat.tui.app import LocalchatApp
 def broken(self):

@@ -21,7 +21,7 @@ from twins import full_prefill
 from localchat import paths
 from localchat.engine import Engine
 from localchat.events import Notice, TurnFinished
-from localchat.kvstore import KEEP_CHECKPOINTS
+from localchat.kvcache.folder import KEEP_CHECKPOINTS
 from localchat.session import Session, TurnOptions
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",

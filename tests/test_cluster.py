@@ -133,7 +133,7 @@ def _followers(home: Path) -> list[int]:
             env = (d / "environ").read_bytes()
         except OSError:
             continue
-        if b"localchat.follower" in cmd and f"LOCALCHAT_HOME={home}".encode() in env:
+        if b"localchat.cluster.follower" in cmd and f"LOCALCHAT_HOME={home}".encode() in env:
             found.append(int(d.name))
     return found
 
@@ -384,7 +384,7 @@ def test_strangers_on_the_control_port_get_nothing_and_no_command_line_holds_the
     assert len(joined) == 1 and all(i > joined[0] for i in silent), log
     key = secret.read_text().strip()
     assert re.fullmatch(r"[0-9a-f]{64}", key)
-    assert any(b"localchat.follower" in x for x in seen)  # the poll saw the follower
+    assert any(b"localchat.cluster.follower" in x for x in seen)  # the poll saw the follower
     assert not [x for x in seen if key.encode() in x]
     assert key not in log and key not in (home / "logs" / "follower-rank1.log").read_text()
     assert calls.read_text().split()[0] == "mac2.example"
@@ -518,7 +518,7 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
 def test_ring_messages_are_dropped_wherever_they_fall_in_the_stream():
     """MLX's `[ring] …` lines are cut out even mid-line (after a frame of the app's screen)
     and across chunks; everything else passes at once, newline or not."""
-    from localchat.launch import drop_ring_lines
+    from localchat.cluster.launch import drop_ring_lines
 
     chunks = [b"\x1b[20;31H", b"frame[ring] Socket 7 was ", b"closed by the peer\nnext",
               b" line\n[ring] again\n", b"\x1b[?1049l"]

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from localchat import cluster, launch
-from localchat.cluster import Refused
+from localchat.cluster import control, launch
+from localchat.cluster.control import Refused
 
-SECRET = cluster.new_secret()
+SECRET = control.new_secret()
 HEX = "0123456789abcdef"
 hexes = st.text(HEX, min_size=64, max_size=64)
 ranks = st.integers(min_value=1, max_value=1 << 20)
@@ -35,48 +35,48 @@ FAST = settings(max_examples=300, deadline=None)
 @FAST
 @given(secret=hexes, rank=ranks)
 def test_honest_ends_pass_the_handshake_both_ways(secret, rank):
-    n0, asked = cluster.challenge()
-    mine, answered = cluster.answer(secret, rank, asked.rstrip(b"\n"))
-    proved, theirs = cluster.check_answer(secret, n0, answered.rstrip(b"\n"))
+    n0, asked = control.challenge()
+    mine, answered = control.answer(secret, rank, asked.rstrip(b"\n"))
+    proved, theirs = control.check_answer(secret, n0, answered.rstrip(b"\n"))
     assert (proved, theirs) == (rank, mine)
-    cluster.check_confirmation(secret, mine, rank,
-                               cluster.confirmation(secret, rank, theirs).rstrip(b"\n"))
+    control.check_confirmation(secret, mine, rank,
+                               control.confirmation(secret, rank, theirs).rstrip(b"\n"))
     assert secret not in (asked + answered).decode()  # the secret never crosses the wire
 
 
 @FAST
 @given(line=lines)
 def test_any_bytes_as_an_answer_are_a_clean_refusal(line):
-    n0, _ = cluster.challenge()
+    n0, _ = control.challenge()
     with pytest.raises(Refused):
-        cluster.check_answer(SECRET, n0, line)
+        control.check_answer(SECRET, n0, line)
 
 
 @FAST
 @given(line=lines)
 def test_any_bytes_from_rank_0_are_a_clean_refusal_or_a_real_challenge(line):
     try:
-        cluster.answer(SECRET, 1, line)
+        control.answer(SECRET, 1, line)
     except Refused:
         pass
     with pytest.raises(Refused):
-        cluster.check_confirmation(SECRET, "0" * 32, 1, line)
+        control.check_confirmation(SECRET, "0" * 32, 1, line)
 
 
 @FAST
 @given(rank=ranks, other=ranks, flip=st.integers(min_value=0, max_value=63),
        secret=hexes)
 def test_a_changed_answer_is_refused(rank, other, flip, secret):
-    n0, asked = cluster.challenge()
-    _, answered = cluster.answer(SECRET, rank, asked)
+    n0, asked = control.challenge()
+    _, answered = control.answer(SECRET, rank, asked)
     msg = json.loads(answered)
     forged = [
-        cluster.answer(secret, rank, asked)[1],  # another secret (equal: vanishingly rare)
+        control.answer(secret, rank, asked)[1],  # another secret (equal: vanishingly rare)
         json.dumps({**msg, "rank": other}).encode(),  # the proof of one rank for another
         json.dumps({**msg, "proof": msg["proof"][:flip] + ("0" if msg["proof"][flip] != "0"
                                                            else "1") + msg["proof"][flip + 1:]}
                    ).encode(),
-        cluster.confirmation(SECRET, rank, n0),  # rank 0's own proof sent back
+        control.confirmation(SECRET, rank, n0),  # rank 0's own proof sent back
     ]
     if other == rank:
         forged.pop(1)
@@ -84,10 +84,10 @@ def test_a_changed_answer_is_refused(rank, other, flip, secret):
         forged.pop(0)
     for line in forged:
         with pytest.raises(Refused):
-            cluster.check_answer(SECRET, n0, line)
+            control.check_answer(SECRET, n0, line)
     with pytest.raises(Refused):  # and a follower's proof is no confirmation from rank 0
-        cluster.check_confirmation(SECRET, msg["nonce"], rank,
-                                   cluster.answer(SECRET, rank, asked)[1])
+        control.check_confirmation(SECRET, msg["nonce"], rank,
+                                   control.answer(SECRET, rank, asked)[1])
 
 
 # -- reading lines ----------------------------------------------------------------------------
@@ -98,7 +98,7 @@ def test_read_line_refuses_silence_trickles_floods_and_closing():
     with a, b:
         t = time.monotonic()
         with pytest.raises(Refused, match="in time"):
-            cluster.read_line(a, time.monotonic() + 0.3)
+            control.read_line(a, time.monotonic() + 0.3)
         assert 0.25 < time.monotonic() - t < 2
 
         def trickle() -> None:
@@ -110,24 +110,24 @@ def test_read_line_refuses_silence_trickles_floods_and_closing():
         trickling.start()
         t = time.monotonic()
         with pytest.raises(Refused, match="in time"):  # bytes keep coming, the deadline holds
-            cluster.read_line(a, time.monotonic() + 0.3)
+            control.read_line(a, time.monotonic() + 0.3)
         assert time.monotonic() - t < 0.6
         trickling.join(5)
     a, b = socket.socketpair()
     with a, b:
-        b.sendall(b"y" * (cluster.HELLO_MAX + 10))
+        b.sendall(b"y" * (control.HELLO_MAX + 10))
         with pytest.raises(Refused, match="longer than"):
-            cluster.read_line(a, time.monotonic() + 5)
+            control.read_line(a, time.monotonic() + 5)
     a, b = socket.socketpair()
     with a:
         b.sendall(b'{"rank": 1}')
         b.close()
         with pytest.raises(Refused, match="closed"):
-            cluster.read_line(a, time.monotonic() + 5)
+            control.read_line(a, time.monotonic() + 5)
     a, b = socket.socketpair()
     with a, b:  # one line, and not a byte of what follows it
         b.sendall(b'{"nonce": "1"}\n{"op": "turn"}\n')
-        assert cluster.read_line(a, time.monotonic() + 5) == b'{"nonce": "1"}'
+        assert control.read_line(a, time.monotonic() + 5) == b'{"nonce": "1"}'
         assert a.recv(100) == b'{"op": "turn"}\n'
 
 
@@ -146,7 +146,7 @@ class Chunks:
 @FAST
 @given(chunks=st.lists(st.binary(max_size=200), max_size=8))
 def test_json_lines_of_any_bytes_yield_objects_and_end_quietly(chunks):
-    assert all(isinstance(m, dict) for m in cluster.json_lines(Chunks(chunks), 100))
+    assert all(isinstance(m, dict) for m in control.json_lines(Chunks(chunks), 100))
 
 
 @FAST
@@ -156,17 +156,17 @@ def test_json_lines_put_messages_back_together_across_reads(msgs, cuts):
     stream = b"".join(json.dumps(m).encode() + b"\n" for m in msgs)
     marks = sorted({0, len(stream), *(c for c in cuts if c < len(stream))})
     chunks = [stream[i:j] for i, j in zip(marks, marks[1:])]
-    assert list(cluster.json_lines(Chunks(chunks), 1 << 16)) == msgs
+    assert list(control.json_lines(Chunks(chunks), 1 << 16)) == msgs
 
 
 def test_json_lines_end_at_a_garbled_or_endless_line():
     good = b'{"op": "hb"}\n'
     for bad in (b"not json\n", b"[1, 2]\n", b'"text"\n', b"\xff\xfe\n", b"[" * 100_000 + b"\n"):
-        assert list(cluster.json_lines(Chunks([good, bad, good]), 1 << 20)) == [{"op": "hb"}]
+        assert list(control.json_lines(Chunks([good, bad, good]), 1 << 20)) == [{"op": "hb"}]
     endless = Chunks([good], forever=b"x" * 65536)  # megabytes without a newline
-    assert list(cluster.json_lines(endless, 1 << 20)) == [{"op": "hb"}]
+    assert list(control.json_lines(endless, 1 << 20)) == [{"op": "hb"}]
     assert endless.read < (1 << 20) + 2 * 65536  # it stopped reading, not just yielding
-    assert list(cluster.json_lines(Chunks([b'{"a": "' + b"x" * 500 + b'"}\n']), 100)) == []
+    assert list(control.json_lines(Chunks([b'{"a": "' + b"x" * 500 + b'"}\n']), 100)) == []
 
 
 # -- rank 0's accept loop and the follower's side, over loopback -----------------------------
@@ -217,7 +217,7 @@ def test_followers_get_in_past_strangers_that_get_nothing(tmp_path, monkeypatch)
     for name, data in sends.items():
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
         if data is None:
-            _, line = cluster.answer(cluster.new_secret(), 1, cluster.read_line(
+            _, line = control.answer(control.new_secret(), 1, control.read_line(
                 s, time.monotonic() + 5))
             data = line
         s.sendall(data)
@@ -228,7 +228,7 @@ def test_followers_get_in_past_strangers_that_get_nothing(tmp_path, monkeypatch)
     t = time.monotonic()
     followers = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in links]
     for rank, f in zip((2, 1), followers):
-        cluster.handshake_follower(f, SECRET, rank, cluster.hello_timeout())
+        control.handshake_follower(f, SECRET, rank, control.hello_timeout())
     assert accepted.wait(10)
     joined = time.monotonic() - t
     assert joined < 1.5, joined  # not the silent stranger's 3 s
@@ -267,9 +267,9 @@ def _fake_rank0(confirm: bytes | None) -> tuple[socket.socket, threading.Thread]
     a, b = socket.socketpair()
 
     def run() -> None:
-        _, line = cluster.challenge()
+        _, line = control.challenge()
         b.sendall(line)
-        cluster.read_line(b, time.monotonic() + 5)
+        control.read_line(b, time.monotonic() + 5)
         if confirm is not None:
             b.sendall(confirm)
         time.sleep(1.5)
@@ -286,7 +286,7 @@ def test_a_follower_obeys_no_rank_0_without_the_secret(confirm):
     sock, t = _fake_rank0(confirm)
     start = time.monotonic()
     with sock, pytest.raises(Refused):
-        cluster.handshake_follower(sock, SECRET, 1, 1.0)
+        control.handshake_follower(sock, SECRET, 1, 1.0)
     assert time.monotonic() - start < 3
     t.join(5)
 
@@ -298,21 +298,21 @@ def test_a_proved_rank_that_is_not_expected_gets_no_confirmation():
 
         def follower() -> None:
             try:
-                cluster.handshake_follower(b, SECRET, 3, 2.0)
+                control.handshake_follower(b, SECRET, 3, 2.0)
             except Refused as err:
                 done["why"] = str(err)
 
         t = threading.Thread(target=follower, daemon=True)
         t.start()
         with pytest.raises(Refused, match="not expected"):
-            cluster.handshake_rank0(a, SECRET, lambda rank: None, 2.0)
+            control.handshake_rank0(a, SECRET, lambda rank: None, 2.0)
         a.close()
         t.join(5)
         assert "closed" in done["why"]
 
 
 def test_follower_without_a_secret_stops_with_one_line(capsys):
-    from localchat import follower
+    from localchat.cluster import follower
 
     assert follower._connect("127.0.0.1:9", 1, "") is None
     assert capsys.readouterr().out == (

@@ -9,10 +9,11 @@ import pytest
 from tiny import build_tiny_model
 from twins import run_turn
 
-from localchat import kvquality, paths
+from localchat import paths
 from localchat.engine import Engine
 from localchat.errors import BadInput
-from localchat.kvstore import KVStore
+from localchat.kvcache import quality as kvquality
+from localchat.kvcache.folder import KVStore
 from localchat.session import Session
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",

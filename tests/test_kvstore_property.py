@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from localchat.cachekinds import LeafSpec
-from localchat.kvstore import CacheInvalid, KVStore, Layout, common_prefix
+from localchat.kvcache.folder import CacheInvalid, KVStore, Layout, common_prefix
+from localchat.kvcache.kinds import LeafSpec
 
 
 def layout(dtype: str = "float16", layers: int = 2) -> Layout:

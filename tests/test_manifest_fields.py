@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from twins import run_turn
 
 from localchat.engine import Engine
-from localchat.kvformat import MANIFEST, canonical, seal
-from localchat.kvstore import CacheInvalid, KVStore
+from localchat.kvcache.folder import CacheInvalid, KVStore
+from localchat.kvcache.format import MANIFEST, canonical, seal
 from localchat.session import Session
 from localchat.store import Store
 
@@ -330,8 +330,8 @@ def test_negative_control_a_forged_state_changes_the_reply(worlds, family):
 
 def synthetic() -> dict:
     """A valid manifest body of a sliding window, a recurrent state and a global layer."""
-    from localchat.cachekinds import LeafSpec
-    from localchat.kvformat import Checkpoint, Layout, Manifest, Segment
+    from localchat.kvcache.format import Checkpoint, Layout, Manifest, Segment
+    from localchat.kvcache.kinds import LeafSpec
 
     leaves = (LeafSpec("0", "RotatingKVCache", "bounded", (2, 16), (2, 16), 16),
               LeafSpec("1", "ArraysCache", "bounded", state=((1, 3, 96), (1, 2, 16, 16))),
@@ -358,7 +358,7 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.
 @settings(max_examples=400, deadline=None)
 @given(data=st.data())
 def test_any_value_in_any_field_is_read_or_refused_in_one_line(data):
-    from localchat.kvformat import Manifest
+    from localchat.kvcache.format import Manifest
 
     body = synthetic()
     assert Manifest.from_json(seal(body)).tokens == body["tokens"]  # the control
@@ -379,7 +379,7 @@ def test_any_value_in_any_field_is_read_or_refused_in_one_line(data):
                                   "seg-000001.safetensors/..", "manifest.json", "",
                                   "seg-1.safetensors", ".tmp-seg-000001.safetensors"])
 def test_a_file_name_is_a_plain_name_in_the_folder(name):
-    from localchat.kvformat import Manifest
+    from localchat.kvcache.format import Manifest
 
     body = synthetic()
     body["segments"][1]["file"] = name
@@ -390,7 +390,7 @@ def test_a_file_name_is_a_plain_name_in_the_folder(name):
 def test_token_ids_past_the_vocabulary_and_old_versions_are_refused(tmp_path):
     import dataclasses
 
-    from localchat.kvformat import Manifest
+    from localchat.kvcache.format import Manifest
 
     body = synthetic()
     kv = KVStore(tmp_path)

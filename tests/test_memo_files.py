@@ -1,12 +1,12 @@
 """The small files localchat reads back, each field changed: never a wrong verdict, a wrong
 fingerprint or a traceback, and the file is rebuilt.
 
-- ``kv-quality.json`` (``kvquality.py``): a setting that fails the quality gate keeps failing
+- ``kv-quality.json`` (``kvcache/quality.py``): a setting that fails the quality gate keeps failing
   whatever the remembered measurement is changed to; the measurement runs again and the entry
   is written back as it was.
 - ``fingerprints.json`` (``models.py``): the model digest is the one a fresh hash gives; a
   weights file replaced by another of the same size and modification time is hashed again.
-- ``cpu-weights/*.check.json`` (``derived.py``): any change refuses the derived file with one
+- ``cpu-weights/*.check.json`` (``cpu/derived.py``): any change refuses the derived file with one
   line; through ``Engine.load`` it is rebuilt with the "CPU weights rebuilt" notice.
 """
 
@@ -21,10 +21,12 @@ import mlx.nn as nn
 import pytest
 from tiny import build_tiny_model
 
-from localchat import derived, kvquality, models, paths
-from localchat.cachekinds import KVQuant
+from localchat import models, paths
+from localchat.cpu import derived
 from localchat.engine import Engine
 from localchat.errors import BadInput
+from localchat.kvcache import quality as kvquality
+from localchat.kvcache.kinds import KVQuant
 
 _GONE = object()
 

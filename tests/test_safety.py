@@ -17,7 +17,7 @@ import pytest
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.kvstore import MANIFEST
+from localchat.kvcache.folder import MANIFEST
 from localchat.locks import ConversationLock
 from localchat.session import Session
 
@@ -47,7 +47,7 @@ def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
     prefix of the manifest's tokens before the turn and the turn's rendering, i.e. the exact
     ``cached_tokens`` of a turn that reuses the surviving cache.
     """
-    from localchat.kvstore import CacheInvalid, KVStore, common_prefix
+    from localchat.kvcache.folder import CacheInvalid, KVStore, common_prefix
 
     conv = store.get(name)
     before = store.messages(conv)
@@ -120,7 +120,7 @@ def _missing(folder):
 def _resealed(folder, **fields):
     """The manifest with ``fields`` changed and its checksum made right again: what another
     model or a later localchat would have written."""
-    from localchat.kvformat import seal
+    from localchat.kvcache.format import seal
 
     man = json.loads((folder / MANIFEST).read_text())
     del man["checksum"]

@@ -112,7 +112,7 @@ def bench_model(tmp_path_factory) -> Path:
 
 
 def _attention_unavailable() -> str:
-    import localchat.backend as backend
+    import localchat.cpu.backend as backend
 
     if not backend.cpu_path() or os.environ.get("LOCALCHAT_CPU_ATTENTION") == "mlx":
         return "bench_attention compares two CPU attention paths; MLX does not run on the CPU here"
@@ -154,7 +154,7 @@ def test_cluster_script_model_splits_both_ways(home: Path, tmp_path: Path):
     takes the skipped-split row, and one split fewer keeps the file under two minutes."""
     import importlib.util
 
-    from localchat.cluster import check_shard
+    from localchat.cluster.split import check_shard
     from localchat.engine import Engine
 
     spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPTS / "bench_cluster.py")

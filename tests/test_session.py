@@ -5,7 +5,7 @@ import json
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.kvstore import common_prefix
+from localchat.kvcache.folder import common_prefix
 from localchat.session import Session, TurnOptions
 
 
@@ -127,7 +127,7 @@ def test_disk_size_is_close_to_theory(store, engine, session):
 
 def _corrupt_manifest_fingerprint(folder):
     """Another model's manifest: its checksum is right (kvformat.seal)."""
-    from localchat.kvformat import seal
+    from localchat.kvcache.format import seal
 
     man = json.loads((folder / "manifest.json").read_text())
     del man["checksum"]
@@ -165,7 +165,7 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
     slips past the checksums because we fix them up) gives another reply."""
     import zlib
 
-    from localchat.kvformat import seal
+    from localchat.kvcache.format import seal
 
     a, b = store.create("ctl-a", engine.ref.name), store.create("ctl-b", engine.ref.name)
     run(session, a, "Hello, how are you today?")

@@ -5,8 +5,9 @@ import os
 
 from twins import full_prefill, run_turn
 
-from localchat import budget, paths
+from localchat import paths
 from localchat.cli import main
+from localchat.kvcache import budget
 from localchat.session import Session
 
 SYSTEM = ("You are a careful travel assistant for trips in Korea. " * 16).strip()

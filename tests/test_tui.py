@@ -87,7 +87,7 @@ async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
         stored = app.store.messages(app.current)
         assert stored[-1].partial and 0 < len(stored[-1].content) < len(long)
         assert "(stopped)" in replies(app)[-1]
-        from localchat.kvstore import common_prefix
+        from localchat.kvcache.folder import common_prefix
 
         manifest = app.session.kvstore(app.current).manifest()
         history = [{"role": m.role, "content": m.content} for m in stored]
@@ -436,7 +436,7 @@ def assert_cache_is_a_full_prefill(session, conv) -> None:
     """The K/V stored for ``conv`` equal a prefill of its token list from zero."""
     import mlx.core as mx
 
-    from localchat import cachekinds as ck
+    from localchat.kvcache import kinds as ck
 
     kv = session.kvstore(conv)
     man = kv.manifest()

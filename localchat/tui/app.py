@@ -543,7 +543,7 @@ def run_app(conversation: str | None = None, model: str | None = None,
         asyncio.run(run())
         crashed(app)
         if app.lost:
-            from ..launch import write_stderr
+            from ..cluster.launch import write_stderr
 
             group.exiting = True
             write_stderr(f"localchat: error: {app.lost}\n")

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import cachekinds as ck
-from .kvstore import common_prefix
+from . import kinds as ck
+from .folder import common_prefix
 
 
 @dataclass

@@ -21,8 +21,8 @@ def open_store():
 def cmd_list(args) -> int:
     """List conversations, most recent first: name, model, messages, tokens, cache size (on
     this machine: its own cache and the shards of split runs)."""
-    from . import budget
-    from .kvstore import KVStore
+    from .kvcache import budget
+    from .kvcache.folder import KVStore
 
     store = open_store()
     roots = budget.cache_roots(paths.kv_root())
@@ -126,7 +126,7 @@ def cmd_fork(args) -> int:
 
 def cmd_cache(args) -> int:
     """Manage the KV caches on disk: `prune` frees space now (least recently used first)."""
-    from . import budget
+    from .kvcache import budget
 
     root = paths.kv_root()
     limit = budget.parse_size(args.to) if args.to else budget.cache_limit(root)

@@ -1,5 +1,5 @@
 """The KV cache's on-disk format (version 3): what a manifest holds, how it is read and
-checked, and the safetensors reader. ``kvstore.py`` writes and reads conversation folders in
+checked, and the safetensors reader. ``folder.py`` writes and reads conversation folders in
 this format (its docstring describes the folder); this module does no I/O of its own.
 
 A manifest is trusted only after three checks, all before any array is read:
@@ -41,7 +41,7 @@ import zlib
 from array import array
 from dataclasses import dataclass, field
 
-from .cachekinds import BOUNDED, KVQuant, LeafSpec, kind_named
+from .kinds import BOUNDED, KVQuant, LeafSpec, kind_named
 
 FORMAT = "localchat-kv"
 VERSION = 3
@@ -56,7 +56,7 @@ _SEGMENT = {"file", "start", "end", "crc32", "nbytes"}
 _CHECKPOINT = {"file", "pos", "crc32", "nbytes", "meta", "arrays"}
 _NAME = {"seg": re.compile(r"seg-[0-9]{6,9}\.safetensors"),
          "ckpt": re.compile(r"ckpt-[0-9]{6,9}\.safetensors")}
-# Each bounded leaf kind's non-array fields (``cachekinds.capture``) and array names.
+# Each bounded leaf kind's non-array fields (``kvcache.kinds.capture``) and array names.
 _META = {"RotatingKVCache": {"offset", "keep", "max_size", "idx"},
          "ChunkedKVCache": {"offset", "chunk_size", "start_position"},
          "ArraysCache": {"size"}}
@@ -316,7 +316,7 @@ def _name(v, prefix: str) -> str:
 
 
 def _check_state(spec: LeafSpec, meta, arrays, pos: int, dtype: str) -> None:
-    """One bounded leaf's checkpoint fields, as ``cachekinds.capture`` writes them at ``pos``.
+    """One bounded leaf's checkpoint fields, as ``kvcache.kinds.capture`` writes them at ``pos``.
 
     Raises ValueError."""
     why = f"checkpoint of leaf {spec.path}"

@@ -15,8 +15,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from .kvstore import CacheInvalid, KVStore, Layout, Manifest, common_prefix
-from .store import Conversation
+from ..store import Conversation
+from .folder import CacheInvalid, KVStore, Layout, Manifest, common_prefix
 
 MIN_SHARED = 32  # shorter prefixes shared with another conversation are not worth linking
 

@@ -14,7 +14,7 @@ Layout of a conversation folder (format version 3)::
                             with the CRC-32 of the token ids before it as "entry" (so an
                             entry cannot be paired with another state)
 
-Which leaf is which comes from ``cachekinds.py``; the manifest records the model's layout
+Which leaf is which comes from ``kinds.py``; the manifest records the model's layout
 (every leaf's class, kind and shapes), so a cache is used only by the model that made it.
 
 Why our own format and not mlx-lm's ``save_prompt_cache``: that file changes between mlx-lm
@@ -28,7 +28,7 @@ Rules:
 - Writes are atomic (temp file, fsync, rename) and the manifest is replaced last, so a crash
   leaves the previous consistent state; stray files from a crash are removed on the next commit.
 - Reading checks the manifest's checksum and every field against the model's layout
-  (``kvformat.py``), then each file's size and CRC-32 and its arrays' names, shapes and
+  (``format.py``), then each file's size and CRC-32 and its arrays' names, shapes and
   dtypes; any mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
 - Folders of older versions (1: before checkpoints, 2: before the manifest's checksum) are
   not read: "cache rebuilt: cache format version 2 …", then a full prefill writes version 3.
@@ -45,9 +45,8 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cachekinds import Captured
-from .files import atomic_write, write_tensors
-from .kvformat import (  # noqa: F401 - the format's names are used through this module too
+from ..files import atomic_write, write_tensors
+from .format import (  # noqa: F401 - the format's names are used through this module too
     ENTRY,
     FORMAT,
     MANIFEST,
@@ -63,6 +62,7 @@ from .kvformat import (  # noqa: F401 - the format's names are used through this
     ids_crc,
     read_safetensors,
 )
+from .kinds import Captured
 
 # Checkpoints kept per conversation: the end of the previous reply (edit-last resumes
 # there), the end of the last prompt (regenerate), the end of the last reply (next turn).
@@ -356,7 +356,7 @@ class KVStore:
                        end: int, taken: set[str], encode=None) -> Segment:
         import mlx.core as mx
 
-        from .cachekinds import GROWING, growing_kv, kind_of, leaves
+        from .kinds import GROWING, growing_kv, kind_of, leaves
 
         if encode is not None:
             tensors = encode(start, end)

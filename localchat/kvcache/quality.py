@@ -2,7 +2,7 @@
 
 What it is: ``measure`` runs a fixed English and Korean conversation through the model twice —
 with the history's K/V as computed, and with them quantized the way localchat stores them
-(``cachekinds.quantize_growing``: history quantized, the current turn at full precision) — and
+(``kvcache.kinds.quantize_growing``: history quantized, the current turn at full precision) — and
 compares the next-token predictions over a fixed reply, teacher-forced: top-1 agreement and
 the mean absolute change of the reference tokens' log-probability. ``check`` applies the gate
 (``GATE``) and remembers the measurement per model and setting in ``kv-quality.json``, so it
@@ -22,11 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from . import cachekinds as ck
-from .errors import BadInput
-from .files import read_memo, write_memo
-from .kvformat import checksum
-from .paths import data_home
+from ..errors import BadInput
+from ..files import read_memo, write_memo
+from ..paths import data_home
+from . import kinds as ck
+from .format import checksum
 
 VERSION = 1  # bump when the script or the metric changes: older verdicts are measured again
 # Top-1 agreement with the unquantized cache over the reply, and the mean |Δ log p| of the

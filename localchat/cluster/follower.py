@@ -1,4 +1,4 @@
-"""A follower rank: ``python -m localchat.follower`` (started by ``launch.start``).
+"""A follower rank: ``python -m localchat.cluster.follower`` (started by ``launch.start``).
 
 It reads this run's control secret from the first line of its stdin, connects to rank 0's
 control link and passes the handshake both ways (it proves its rank, rank 0 proves itself:
@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m localchat.follower")
+    p = argparse.ArgumentParser(prog="python -m localchat.cluster.follower")
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--shard", required=True)
     p.add_argument("--control", required=True, metavar="HOST:PORT")
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             _run(session, msg)
         except Exception as err:  # noqa: BLE001
-            from .cluster import ClusterLost
-            from .errors import LocalchatError
+            from ..errors import LocalchatError
+            from .group import ClusterLost
 
             if isinstance(err, ClusterLost) or not isinstance(err, LocalchatError):
                 traceback.print_exc()
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 def _connect(control: str, rank: int, secret: str) -> socket.socket | None:
     """The control link to rank 0 at ``control`` (HOST:PORT), past the handshake; None after
     one line to the log (the line rank 0 shows when this process exits) if there is none."""
-    from .cluster import Refused, handshake_follower, hello_timeout, is_secret
+    from .control import Refused, handshake_follower, hello_timeout, is_secret
 
     if not is_secret(secret):
         print("no control secret on stdin (followers are started by rank 0)")
@@ -87,13 +87,14 @@ def _connect(control: str, rank: int, secret: str) -> socket.socket | None:
 
 
 def _join(args):
-    from . import backend, paths
-    from .engine import Engine
-    from .session import Session
-    from .store import Store
+    from .. import paths
+    from ..cpu import backend
+    from ..engine import Engine
+    from ..session import Session
+    from ..store import Store
 
     backend.prepare()
-    from .cluster import Ring, join_ring
+    from .group import Ring, join_ring
 
     ring = Ring(join_ring(os.environ["LOCALCHAT_RING_HOSTS"]), args.shard)
     engine = Engine.load(args.model, group=ring)
@@ -106,16 +107,16 @@ _POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -
 
 def _run(session, msg: dict) -> None:
     """Make the call rank 0 makes (see ``Session.turn`` / ``complete`` / ``delete``)."""
-    from .prefixes import PrefixPool
-    from .session import Cancel, TurnOptions
-    from .store import Conversation, Message
+    from ..kvcache.prefixes import PrefixPool
+    from ..session import Cancel, TurnOptions
+    from ..store import Conversation, Message
 
     op = msg["op"]
     if op == "delete":
         session.delete_shard(msg["conversation"])
         return
     if op == "fork":  # this rank's shard of the fork shares the source's files
-        from .sharing import link_cache
+        from ..kvcache.sharing import link_cache
 
         link_cache(session.kv_root, msg["source"], msg["fork"])
         return
@@ -150,14 +151,14 @@ class _Link:
             os._exit(0)  # rank 0 is gone
 
     def heartbeat(self) -> None:
-        from .cluster import HEARTBEAT_S
+        from .group import HEARTBEAT_S
 
         while True:
             self.send({"op": "hb"})
             time.sleep(HEARTBEAT_S)
 
     def read_forever(self, commands: queue.Queue) -> None:
-        from .cluster import json_lines
+        from .control import json_lines
 
         for msg in json_lines(self.sock, CALL_MAX):
             if not (isinstance(msg.get("op"), str) and type(msg.get("seq")) is int):

@@ -24,9 +24,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import BadInput
-from .kvstore import MANIFEST, KVStore
-from .locks import ConversationLock
+from ..errors import BadInput
+from ..locks import ConversationLock
+from .folder import MANIFEST, KVStore
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -63,7 +63,7 @@ class CacheUse:
 
 def cache_roots(kv_root: Path) -> list[Path]:
     """``kv_root`` and, beside it, the folders of every rank's shard caches
-    (``cluster.Ring.kv_root``): the folders whose sub-folders are conversation caches."""
+    (``cluster.group.Ring.kv_root``): the folders whose sub-folders are conversation caches."""
     shards = kv_root.parent / "kv-shards"
     return [kv_root, *sorted(p for p in shards.glob("*/rank*") if p.is_dir())]
 

@@ -34,8 +34,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..paths import runtime_dir
 from .derived import DerivedDamaged, load_checked, save_checked
-from .paths import runtime_dir
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str
     Dequantizing the default model takes ~1.6 s, so the float32 result is kept in
     ``weights_cache`` (540 MB for the default model; float16 would halve that but casting back
     costs ~0.5 s per start on the CPU) and the next start maps it in ~0.1-0.4 s, after a
-    damage check (``derived.py``). Models whose float32 weights would not fit comfortably in
+    damage check (``cpu/derived.py``). Models whose float32 weights would not fit comfortably in
     memory (over ``LOCALCHAT_DEQUANTIZE_MAX_GB``, default 4) stay quantized.
 
     Args:
@@ -341,7 +341,7 @@ def _set_child(root, dotted: str, new) -> None:
         setattr(node, last, new)
 
 
-if __name__ == "__main__":  # `python -m localchat.backend`: what scripts/setup.sh reports
+if __name__ == "__main__":  # `python -m localchat.cpu.backend`: what scripts/setup.sh reports
     prepare()
     print(f"localchat: matmuls: {describe()}")
     if notice := slow_path_notice():

@@ -1,7 +1,7 @@
 """Starting the ranks of ``--hosts``: followers, their control links, the watchdog.
 
-What it is: rank 0's side of ``cluster.py`` that deals with processes and sockets. ``start``
-spawns ``python -m localchat.follower`` on every other host (a local process for a loopback
+What it is: rank 0's side of the cluster that deals with processes and sockets. ``start``
+spawns ``python -m localchat.cluster.follower`` on every other host (a local process for a loopback
 address, ``ssh`` otherwise) with this run's secret on its stdin, waits for each to connect its
 control link and pass the handshake (``cluster.handshake_rank0``; a stranger is dropped within
 ``cluster.HELLO_TIMEOUT_S`` and logged to ``$LOCALCHAT_HOME/logs/control.log``), then joins
@@ -9,7 +9,7 @@ MLX's ring. The link carries JSON lines: rank 0's calls one way; heartbeats, "do
 one-line errors the other.
 ``_Watchdog`` ends rank 0 with one line when a follower exits, closes its link or stays
 silent for ``LOCALCHAT_FOLLOWER_TIMEOUT`` seconds. What it is not: the agreements the ranks
-make during a turn (``cluster.Ring``) or the follower's loop (``follower.py``).
+make during a turn (``cluster.group.Ring``) or the follower's loop (``follower.py``).
 """
 
 from __future__ import annotations
@@ -26,20 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
-from .cluster import (
-    RING_PORT,
-    ClusterLost,
-    Refused,
-    Ring,
-    follower_timeout,
-    handshake_rank0,
-    hello_timeout,
-    join_ring,
-    json_lines,
-    new_secret,
-)
-from .errors import BadInput
+from .. import paths
+from ..errors import BadInput
+from .control import Refused, handshake_rank0, hello_timeout, json_lines, new_secret
+from .group import RING_PORT, ClusterLost, Ring, follower_timeout, join_ring
 
 # -- hosts -----------------------------------------------------------------------------------
 
@@ -178,7 +168,7 @@ def start(hosts: list[Host], shard: str, model: str | None,
     shard in step). Raises ClusterLost with one line when a follower cannot start or join
     within ``LOCALCHAT_FOLLOWER_TIMEOUT`` seconds of silence.
     """
-    from . import backend
+    from ..cpu import backend
 
     backend.prepare()
     say = progress or (lambda _m: None)
@@ -195,7 +185,7 @@ def start(hosts: list[Host], shard: str, model: str | None,
     links = []
     for rank, host in enumerate(hosts[1:], start=1):
         log = logs / f"follower-rank{rank}.log"
-        argv = [sys.executable, "-m", "localchat.follower", "--rank", str(rank),
+        argv = [sys.executable, "-m", "localchat.cluster.follower", "--rank", str(rank),
                 "--shard", shard, "--control", control] + (["--model", model] if model else [])
         proc = _spawn(host, argv, ring_hosts, rank, log, secret)
         links.append(_Link(rank, host, proc, log))
