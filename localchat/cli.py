@@ -200,13 +200,13 @@ def start_cluster(args, model: str | None):
     return ring
 
 
-def open_session(model: str | None, args=None):
+def session_for(model: str | None, args=None):
     """The session of every command that runs a model; loading notices go to stderr.
     With --hosts, the model is split over the hosts (``start_cluster``)."""
-    from .session import open_session as open_
+    from .session import open_session
 
     group = start_cluster(args, model)
-    session = open_(model, progress=say, group=group)
+    session = open_session(model, progress=say, group=group)
     for text in session.engine.notices:
         say(text)
     return session
@@ -274,7 +274,7 @@ def cmd_ask(args) -> int:
     store.close()
     if (args.regenerate or args.edit_last) and known is None:
         raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
-    session = open_session(args.model or (known.model if known else None), args)
+    session = session_for(args.model or (known.model if known else None), args)
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
                                 kv_group=args.kv_group_size)
     if not args.conversation:
@@ -361,7 +361,7 @@ def cmd_batch(args) -> int:
     out_path = Path(args.output) if args.output else None
     skip = done_ids(out_path) if (args.resume and out_path) else set()
     items = parse_lines(lines, skip)
-    session = open_session(args.model, args)
+    session = session_for(args.model, args)
 
     def notice(line: int, text: str) -> None:
         if not args.quiet:
@@ -409,7 +409,7 @@ def cmd_inspect(args) -> int:
     from .cpu import backend
     from .engine import Engine
     from .kvcache import budget
-    from .kvcache.folder import CacheInvalid, KVStore
+    from .kvcache.folder import CacheFolder, CacheInvalid
 
     engine = Engine.load(args.model, progress=say)
     for text in engine.notices:
@@ -420,7 +420,7 @@ def cmd_inspect(args) -> int:
     root = paths.kv_root()
     if root.is_dir():
         for folder in root.iterdir():
-            kv = KVStore(folder)
+            kv = CacheFolder(folder)
             size = kv.disk_bytes()
             total += size
             try:

@@ -22,7 +22,7 @@ def cmd_list(args) -> int:
     """List conversations, most recent first: name, model, messages, tokens, cache size (on
     this machine: its own cache and the shards of split runs)."""
     from .kvcache import budget
-    from .kvcache.folder import KVStore
+    from .kvcache.folder import CacheFolder
 
     store = open_store()
     roots = budget.cache_roots(paths.kv_root())
@@ -33,7 +33,7 @@ def cmd_list(args) -> int:
             "model": conv.model,
             "messages": len(store.messages(conv)),
             "tokens": conv.tokens,
-            "cache_bytes": sum(KVStore(root / str(conv.id)).disk_bytes() for root in roots),
+            "cache_bytes": sum(CacheFolder(root / str(conv.id)).disk_bytes() for root in roots),
         })
     if args.json:
         print(json.dumps(rows, ensure_ascii=False))

@@ -146,15 +146,15 @@ class Engine:
         first = next((obj for _, obj in known if getattr(obj, "keys", None) is not None), None)
         self._compute_dtype = first.keys.dtype if first is not None else mx.float32
         # float32 K/V (the CPU path) are rounded to float16 as they enter the cache.
-        store = mx.float16 if self._compute_dtype == mx.float32 else self._compute_dtype
+        kept = mx.float16 if self._compute_dtype == mx.float32 else self._compute_dtype
         per_token = sum(s.k_shape[0] * s.k_shape[1] + s.v_shape[0] * s.v_shape[1]
-                        for s in specs if s.kind == ck.GROWING) * store.size
+                        for s in specs if s.kind == ck.GROWING) * kept.size
         state = 0
         for (_, obj), spec in zip(known, specs):
             if spec.cls in ("RotatingKVCache", "ChunkedKVCache"):
                 k, v = obj.keys, obj.values
                 state += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * spec.window \
-                    * store.size
+                    * kept.size
             elif spec.kind == ck.BOUNDED:
                 state += obj.nbytes
         grow = next((s for s in specs if s.kind == ck.GROWING), None)
@@ -172,7 +172,7 @@ class Engine:
             heads=heads,
             kv_heads=int(head[0]),
             head_dim=int(head[1]),
-            kv_dtype=str(store).replace("mlx.core.", ""),
+            kv_dtype=str(kept).replace("mlx.core.", ""),
             kv_bytes_per_token=int(per_token),
             state_bytes=int(state),
             layer_mix=ck.describe_mix(specs, len(cache)),

@@ -11,7 +11,7 @@ A model is one of:
 The model digest (``model_digest``) is what the KV cache on disk and derived files are keyed
 by: it covers the weights, the config, the tokenizer and its chat template. Hashing ~100 MB
 of weights on every start would cost ~0.3 s, so weight hashes are memoised in
-``fingerprints.json``, keyed by the file's path, size, modification and change times and
+``digests.json``, keyed by the file's path, size, modification and change times and
 inode: a file replaced by one of the same size and modification time (``cp -p``, ``rsync
 -t``) still gets a new change time or inode, so a stale hash never makes another model's
 caches look valid. An entry is used only if it is a SHA-256 in hex with a check of its key;
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from .errors import ModelBroken, ModelNotFound
 from .files import read_memo, sha256_file, write_memo
-from .paths import fingerprints_path, models_dir
+from .paths import digests_path, models_dir
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL, "smollm2-135m-instruct"}
@@ -140,7 +140,7 @@ def model_digest(path: Path) -> str:
 
 def _file_hash(path: Path) -> str:
     """The SHA-256 of a weights file, from the memo when it holds a sound entry for it."""
-    memo_file = fingerprints_path()
+    memo_file = digests_path()
     st = path.stat()
     where = f"{path.resolve()}|"
     key = f"{where}{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"

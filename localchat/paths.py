@@ -99,6 +99,6 @@ def runtime_dir() -> Path:
     return data_home() / "cpu-runtime"
 
 
-def fingerprints_path() -> Path:
+def digests_path() -> Path:
     """Memoised sha256 of model weight files, keyed by path, size and mtime."""
-    return data_home() / "fingerprints.json"
+    return data_home() / "digests.json"

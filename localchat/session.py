@@ -44,7 +44,7 @@ from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError,
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from .kvcache import kinds as ck
 from .kvcache import quality as kvquality
-from .kvcache.folder import CacheInvalid, KVStore
+from .kvcache.folder import CacheFolder, CacheInvalid
 from .kvcache.prefixes import PrefixPool
 from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
 from .store import Conversation, Store
@@ -159,8 +159,8 @@ class Session:
     def model_name(self) -> str:
         return self.engine.ref.name
 
-    def kvstore(self, conv: Conversation) -> KVStore:
-        return self.cache.kvstore(conv)
+    def cache_folder(self, conv: Conversation) -> CacheFolder:
+        return self.cache.cache_folder(conv)
 
     def close(self) -> None:
         self.store.close()
@@ -208,7 +208,7 @@ class Session:
     def delete_shard(self, conversation_id: int) -> None:
         """A follower's part of ``delete``: its own cache folder of the conversation."""
         self.cache.forget(conversation_id)
-        shutil.rmtree(self.cache.kvstore(conversation_id).folder, ignore_errors=True)
+        shutil.rmtree(self.cache.cache_folder(conversation_id).folder, ignore_errors=True)
 
     def fork(self, conv: Conversation, name: str, at: int | None = None
              ) -> tuple[Conversation, int]:
@@ -297,7 +297,7 @@ class Session:
         note = prior.note
         if prior.manifest is None and not options.no_cache and not self.engine.info().unknown:
             # Nothing stored for this conversation: start from another one's prefix if any.
-            man = self.sharing.adopt(self.kvstore(conv), self.cache.layout(conv), tokens)
+            man = self.sharing.adopt(self.cache_folder(conv), self.cache.layout(conv), tokens)
             if man is not None:
                 prior = Prior(man.tokens, man)
                 note = f"{note}; {len(man.tokens)} tokens shared with another conversation"
@@ -336,7 +336,7 @@ class Session:
         if note:
             yield Notice(note)
         # The conversation's cache is every rank's shard together.
-        rows = self.group.gather([self.kvstore(conv).disk_bytes(), written, int(bool(note))])
+        rows = self.group.gather([self.cache_folder(conv).disk_bytes(), written, int(bool(note))])
         for rank, row in enumerate(rows[1:], start=1):
             if row[2]:
                 yield Notice(f"cache not saved on rank {rank}; it will be rebuilt")

@@ -24,7 +24,14 @@ from pathlib import Path
 
 from .kvcache import budget
 from .kvcache import kinds as ck
-from .kvcache.folder import KEEP_CHECKPOINTS, CacheInvalid, KVStore, Layout, Manifest, common_prefix
+from .kvcache.folder import (
+    KEEP_CHECKPOINTS,
+    CacheFolder,
+    CacheInvalid,
+    Layout,
+    Manifest,
+    common_prefix,
+)
 from .store import Conversation
 
 HEADROOM = 256  # positions allocated past a loaded cache, so the turn appends in place
@@ -99,8 +106,8 @@ class TurnCache:
         self.budget_home = budget_home
         self.live: Live | None = None
 
-    def kvstore(self, conv: Conversation | int) -> KVStore:
-        return KVStore(self.kv_root / str(conv.id if isinstance(conv, Conversation) else conv))
+    def cache_folder(self, conv: Conversation | int) -> CacheFolder:
+        return CacheFolder(self.kv_root / str(conv.id if isinstance(conv, Conversation) else conv))
 
     def layout(self, conv: Conversation) -> Layout:
         return self.engine.layout(quant_of(conv))
@@ -121,7 +128,7 @@ class TurnCache:
         token ids. ``draft``: for a draft prefill, which writes nothing: an invalid cache is
         left for the turn to clear (and to say why).
         """
-        kv = self.kvstore(conv)
+        kv = self.cache_folder(conv)
         prior = self._prior_here(conv, kv, no_cache, draft)
         digest = hashlib.sha256(f"{prior.manifest is not None}:{prior.tokens}".encode())
         rows = self.group.gather([int.from_bytes(digest.digest()[:7], "little")])
@@ -133,7 +140,7 @@ class TurnCache:
         return Prior(None, None, f"cache rebuilt: the shard of rank {', '.join(odd)} does not "
                      "match rank 0's (damaged, missing or behind)")
 
-    def _prior_here(self, conv: Conversation, kv: KVStore, no_cache: bool,
+    def _prior_here(self, conv: Conversation, kv: CacheFolder, no_cache: bool,
                     draft: bool) -> Prior:
         """``prior`` of this process's own folder."""
         live = self.live
@@ -218,7 +225,7 @@ class TurnCache:
         Memory may hold more than the disk (``prior``): a draft prefilled before Enter. Its
         tokens count where they match ``tokens``; the rest of it is cut like any other.
         """
-        engine, live, man, kv = self.engine, self.live, prior.manifest, self.kvstore(conv)
+        engine, live, man, kv = self.engine, self.live, prior.manifest, self.cache_folder(conv)
         cached = live.tokens if live is not None else prior.tokens
         if not cached or no_cache or (man is None and live is None):
             return Start(engine.new_cache(), 0, {})
@@ -273,7 +280,7 @@ class TurnCache:
             return Start(engine.new_cache(), 0, {}, f"cache rebuilt: {err}")
         return Start(cache, p, checkpoints, changed, fallback, max(0, p - base))
 
-    def load(self, kv: KVStore, man: Manifest, p: int) -> tuple[list, dict]:
+    def load(self, kv: CacheFolder, man: Manifest, p: int) -> tuple[list, dict]:
         """A fresh cache holding the first ``p`` tokens of a stored one (growing layers from
         segments, bounded ones from the checkpoint at ``p``), and that checkpoint."""
         engine = self.engine
@@ -305,7 +312,7 @@ class TurnCache:
         """
         if self.engine.info().unknown:
             return 0, ""
-        cache, kv = start.cache, self.kvstore(conv)
+        cache, kv = start.cache, self.cache_folder(conv)
         quant = quant_of(conv)
         layout = self.engine.layout(quant)
         encode = None

@@ -65,7 +65,7 @@ def main() -> None:
     base_conv, base = run_script(session, "f16", 0, None, max_tokens)
 
     def disk_per_token(conv) -> float:
-        man = session.kvstore(conv).manifest()
+        man = session.cache_folder(conv).manifest()
         return sum(s.nbytes for s in man.segments) / len(man.tokens)
 
     base_bpt = disk_per_token(base_conv)

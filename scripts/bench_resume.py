@@ -109,12 +109,12 @@ def main() -> None:
         new = "Question: what should I pack for the trip?"
         # mlx-lm's own route on the same history cache.
         sess = session()
-        man = sess.kvstore(conv).manifest()
+        man = sess.cache_folder(conv).manifest()
         rendered = engine.render([{"role": m.role, "content": m.content}
                                   for m in store.messages(conv)] +
                                  [{"role": "user", "content": new}])
         k = min(common_prefix(man.tokens, rendered), len(rendered) - 1)
-        layers = sess.kvstore(conv).load_growing(man, k, engine.compute_dtype())
+        layers = sess.cache_folder(conv).load_growing(man, k, engine.compute_dtype())
         cache = make_prompt_cache(engine.model)  # mlx-lm's own KVCache, as an mlx-lm user has it
         for c, (keys, values) in zip(cache, layers):
             c.state = (keys[..., :k, :], values[..., :k, :], k)
@@ -127,7 +127,7 @@ def main() -> None:
             logits = benchlib.prefill(engine, suffix, loaded)
             int(mx.argmax(logits, axis=-1).item())
             mlxlm.append(time.perf_counter() - t0)
-        ours = sess.kvstore(conv).disk_bytes()
+        ours = sess.cache_folder(conv).disk_bytes()
         theory = info.kv_bytes_per_token * len(man.tokens)
         mlx_per_token = mlx_file.stat().st_size / k
         r = {

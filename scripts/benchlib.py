@@ -77,7 +77,7 @@ def scratch_home(keep_models_from: str | None = None) -> Path:
     home = Path(tempfile.mkdtemp(prefix="localchat-bench-"))
     atexit.register(shutil.rmtree, home, ignore_errors=True)
     src = Path(keep_models_from or os.environ.get("LOCALCHAT_HOME") or _default_home())
-    for name in ("models", "cpu-weights", "fingerprints.json"):
+    for name in ("models", "cpu-weights", "digests.json"):
         if (src / name).exists():
             (home / name).symlink_to((src / name).resolve())
     os.environ["LOCALCHAT_HOME"] = str(home)

@@ -233,9 +233,9 @@ def test_other_backends_store_half_precision_kv_as_computed(home, tmp_path, dtyp
 
     conv = store.create("c", engine.ref.name)
     run_turn(session(), conv, "Hello there")
-    assert session().kvstore(conv).manifest().layout.dtype == dtype
+    assert session().cache_folder(conv).manifest().layout.dtype == dtype
     before = store.messages(conv)
-    manifest = session().kvstore(conv).folder.joinpath("manifest.json").read_text()
+    manifest = session().cache_folder(conv).folder.joinpath("manifest.json").read_text()
     resumed, notes = run_turn(session(), conv, "And then?")
     assert notes == [] and resumed.usage.cached_tokens > 0
     full = full_prefill(store, engine, conv, "And then?", before, manifest)

@@ -245,7 +245,7 @@ def stub_group(session, chats, pool, max_tokens, temp):
 def run_cli(args: list[str], parallel: int = 1) -> tuple[int, str]:
     with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as home:
         mp.setenv("LOCALCHAT_HOME", home)
-        mp.setattr(cli, "open_session", lambda model, args=None: StubSession(parallel > 1))
+        mp.setattr(cli, "session_for", lambda model, args=None: StubSession(parallel > 1))
         mp.setattr("localchat.parallel.complete_group", stub_group)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

@@ -173,7 +173,7 @@ def test_json_lines_end_at_a_garbled_or_endless_line():
 
 
 class Alive:
-    """A follower process that is running (``_Link`` asks it how it is)."""
+    """A follower process that is running (``FollowerLink`` asks it how it is)."""
 
     def poll(self) -> None:
         return None
@@ -205,7 +205,7 @@ def test_followers_get_in_past_strangers_that_get_nothing(tmp_path, monkeypatch)
     log = tmp_path / "control.log"
     server = launch._listen("127.0.0.1")
     port = server.getsockname()[1]
-    links = [launch._Link(r, launch.Host("", "127.0.0.1"), Alive(), tmp_path / f"{r}.log")
+    links = [launch.FollowerLink(r, launch.Host("", "127.0.0.1"), Alive(), tmp_path / f"{r}.log")
              for r in (1, 2)]
     accepted = threading.Event()
     threading.Thread(target=lambda: (launch._accept(server, links, SECRET, log),
@@ -331,7 +331,7 @@ def test_rank_0_ends_a_link_that_sends_a_message_of_the_wrong_shape(bad, tmp_pat
     hook, threading.excepthook = threading.excepthook, errors.append
     a, b = socket.socketpair()
     try:
-        link = launch._Link(1, launch.Host("", "127.0.0.1"), Alive(), tmp_path / "1.log")
+        link = launch.FollowerLink(1, launch.Host("", "127.0.0.1"), Alive(), tmp_path / "1.log")
         link.attach(a)
         b.sendall(b'{"op": "hb"}\n{"op": "done", "seq": 1, "agreements": 4}\n'
                   + json.dumps(bad).encode() + b"\n")

@@ -13,7 +13,7 @@ from localchat import paths
 from localchat.engine import Engine
 from localchat.errors import BadInput
 from localchat.kvcache import quality as kvquality
-from localchat.kvcache.folder import KVStore
+from localchat.kvcache.folder import CacheFolder
 from localchat.session import Session
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",
@@ -58,7 +58,7 @@ def test_resumed_from_disk_equals_the_cache_kept_in_memory(home, store, wide, bi
         quantized_differs |= plain.tokens != from_disk.tokens
     assert sum(lengths) >= 40  # replies long enough for the equality to mean something
     # The segments hold quantized K/V: 8 (or 4) bits plus a float16 scale and bias per 32.
-    man = KVStore(paths.kv_root() / str(b.id)).manifest()
+    man = CacheFolder(paths.kv_root() / str(b.id)).manifest()
     assert man.layout.kv_bits == bits
     tensor_bytes = 0
     for seg in man.segments:

@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from twins import run_turn
 
 from localchat.engine import Engine
-from localchat.kvcache.folder import CacheInvalid, KVStore
+from localchat.kvcache.folder import CacheFolder, CacheInvalid
 from localchat.kvcache.format import MANIFEST, canonical, seal
 from localchat.session import Session
 from localchat.store import Store
@@ -220,7 +220,7 @@ def run_case(w: World, text: str, turn: bool) -> tuple[str, tuple | None, tuple,
     (w.folder / MANIFEST).write_text(text)
     layout = w.engine.layout()
     try:
-        man = KVStore(w.folder).checked_manifest(layout)
+        man = CacheFolder(w.folder).checked_manifest(layout)
     except CacheInvalid as err:
         man, why = None, str(err)
         assert why and "\n" not in why and len(why) < 80
@@ -238,7 +238,7 @@ def run_case(w: World, text: str, turn: bool) -> tuple[str, tuple | None, tuple,
     if man is None:
         assert rebuilt == [f"cache rebuilt: {why}"]
     # The cache it leaves is whole: a valid manifest, every file loads, no stray file.
-    kv = KVStore(w.folder)
+    kv = CacheFolder(w.folder)
     left = kv.checked_manifest(layout)
     assert left is not None and len(left.tokens) > len(w.body["tokens"]) // 2
     kv.load_growing(left, len(left.tokens))
@@ -393,7 +393,7 @@ def test_token_ids_past_the_vocabulary_and_old_versions_are_refused(tmp_path):
     from localchat.kvcache.format import Manifest
 
     body = synthetic()
-    kv = KVStore(tmp_path)
+    kv = CacheFolder(tmp_path)
     (tmp_path / MANIFEST).write_text(seal(body))
     layout = kv.manifest().layout
     assert kv.checked_manifest(dataclasses.replace(layout, vocab=43)) is not None

@@ -1,10 +1,10 @@
 """The small files localchat reads back, each field changed: never a wrong verdict, a wrong
-fingerprint or a traceback, and the file is rebuilt.
+digest or a traceback, and the file is rebuilt.
 
 - ``kv-quality.json`` (``kvcache/quality.py``): a setting that fails the quality gate keeps failing
   whatever the remembered measurement is changed to; the measurement runs again and the entry
   is written back as it was.
-- ``fingerprints.json`` (``models.py``): the model digest is the one a fresh hash gives; a
+- ``digests.json`` (``models.py``): the model digest is the one a fresh hash gives; a
   weights file replaced by another of the same size and modification time is hashed again.
 - ``cpu-weights/*.check.json`` (``cpu/derived.py``): any change refuses the derived file with one
   line; through ``Engine.load`` it is rebuilt with the "CPU weights rebuilt" notice.
@@ -111,13 +111,13 @@ def test_a_changed_quality_memo_never_makes_a_failing_setting_pass(home, wide, m
         kvquality.check(wide, quant)
 
 
-# -- fingerprints.json ----------------------------------------------------------------------
+# -- digests.json ----------------------------------------------------------------------
 
 
-def test_a_changed_fingerprint_memo_never_changes_the_model_digest(home, tiny_model, tmp_path):
+def test_a_changed_digest_memo_never_changes_the_model_digest(home, tiny_model, tmp_path):
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
-    memo_file = paths.fingerprints_path()
+    memo_file = paths.digests_path()
     truth = models.model_digest(folder)
     memo = json.loads(memo_file.read_text())
     (key, entry), = memo.items()
@@ -149,7 +149,7 @@ def test_weights_replaced_with_the_same_size_and_time_are_hashed_again(home, tin
     os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # as `cp -p` or `rsync -t` keeps it
     assert weights.stat().st_size == st.st_size and weights.stat().st_mtime_ns == st.st_mtime_ns
     after = models.model_digest(folder)
-    paths.fingerprints_path().unlink()
+    paths.digests_path().unlink()
     assert after != before and after == models.model_digest(folder)
 
 

@@ -47,14 +47,14 @@ def next_turn_matches_full_prefill(store, engine, name, prompt="And then?"):
     prefix of the manifest's tokens before the turn and the turn's rendering, i.e. the exact
     ``cached_tokens`` of a turn that reuses the surviving cache.
     """
-    from localchat.kvcache.folder import CacheInvalid, KVStore, common_prefix
+    from localchat.kvcache.folder import CacheFolder, CacheInvalid, common_prefix
 
     conv = store.get(name)
     before = store.messages(conv)
     manifest_file = paths.kv_root() / str(conv.id) / MANIFEST
     manifest_text = manifest_file.read_text() if manifest_file.exists() else None
     try:
-        man = KVStore(paths.kv_root() / str(conv.id)).manifest()
+        man = CacheFolder(paths.kv_root() / str(conv.id)).manifest()
     except CacheInvalid:
         man = None
     history = [{"role": m.role, "content": m.content} for m in before]

@@ -29,7 +29,7 @@ def test_resume_from_disk_equals_full_prefill(store, engine, session):
     second, _ = run(session, conv, "What is the capital of France?")
     assert second.usage.cached_tokens >= first.usage.prompt_tokens
 
-    stored = session.kvstore(conv).manifest().tokens
+    stored = session.cache_folder(conv).manifest().tokens
     assert len(stored) == second.usage.context_tokens
     history = [{"role": m.role, "content": m.content} for m in store.messages(conv)]
     new = [{"role": "user", "content": "안녕하세요. 서울은 어때요?"}]
@@ -107,7 +107,7 @@ def test_a_turn_leaves_bytes_on_disk_untouched(store, engine, session):
     # max_tokens=1: the one reply token is not fed, so the cache is a prefix of the next
     # rendering whatever the random model says (its replies may not re-tokenize the same).
     run(session, conv, "Hello", max_tokens=1)
-    folder = session.kvstore(conv).folder
+    folder = session.cache_folder(conv).folder
     before = _files(folder)
     run(restart(store, engine), conv, "Tell me more about caches.")
     after = _files(folder)
@@ -119,7 +119,7 @@ def test_disk_size_is_close_to_theory(store, engine, session):
     conv = store.create("size", engine.ref.name)
     run(session, conv, "Hello, how are you today? " * 8, max_tokens=20)
     run(session, conv, "Let us talk about caches. " * 8, max_tokens=20)
-    man = session.kvstore(conv).manifest()
+    man = session.cache_folder(conv).manifest()
     per_token = engine.info().kv_bytes_per_token
     kv_bytes = sum(s.nbytes for s in man.segments)
     assert kv_bytes <= 1.05 * len(man.tokens) * per_token + 512 * len(man.segments)
@@ -147,7 +147,7 @@ def test_damaged_cache_is_rebuilt_with_the_same_reply(store, engine, session):
                            (_flip_a_byte, "checksum")]:
         conv = store.create(f"damaged-{reason}", engine.ref.name)
         run(session, conv, "Hello")
-        damage(session.kvstore(conv).folder)
+        damage(session.cache_folder(conv).folder)
         rebuilt, notes = run(restart(store, engine), conv, "What is the capital of Korea?")
         assert len(notes) == 1 and notes[0].startswith("cache rebuilt") and reason in notes[0]
         assert rebuilt.usage.cached_tokens == 0
@@ -177,7 +177,7 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
     conv = store.create("ctl-damaged", engine.ref.name)
     run(session, conv, "Hello, how are you today?")
     before = store.messages(conv)
-    folder = session.kvstore(conv).folder
+    folder = session.cache_folder(conv).folder
     man = json.loads((folder / "manifest.json").read_text())
     seg = folder / man["segments"][0]["file"]
     data = bytearray(seg.read_bytes())

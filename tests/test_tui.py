@@ -89,7 +89,7 @@ async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
         assert "(stopped)" in replies(app)[-1]
         from localchat.kvcache.folder import common_prefix
 
-        manifest = app.session.kvstore(app.current).manifest()
+        manifest = app.session.cache_folder(app.current).manifest()
         history = [{"role": m.role, "content": m.content} for m in stored]
         rendered = app.session.engine.render(history + [{"role": "user", "content": "Go on"}])
         await type_and_send(pilot, "Go on")
@@ -438,7 +438,7 @@ def assert_cache_is_a_full_prefill(session, conv) -> None:
 
     from localchat.kvcache import kinds as ck
 
-    kv = session.kvstore(conv)
+    kv = session.cache_folder(conv)
     man = kv.manifest()
     n = len(man.tokens)
     stored = kv.load_growing(man, n, session.engine.compute_dtype())

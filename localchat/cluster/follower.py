@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     sock = _connect(args.control, args.rank, secret)
     if sock is None:
         return 1
-    link = _Link(sock)
+    link = LeaderLink(sock)
     commands: queue.Queue = queue.Queue()
     threading.Thread(target=link.read_forever, args=(commands,), daemon=True).start()
     threading.Thread(target=link.heartbeat, daemon=True).start()
@@ -138,7 +138,9 @@ def _run(session, msg: dict) -> None:
 CALL_MAX = 1 << 28
 
 
-class _Link:
+class LeaderLink:
+    """A follower's end of its control connection to rank 0 (JSON lines both ways)."""
+
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.lock = threading.Lock()

@@ -82,7 +82,7 @@ class Ring:
         self.rank = group.rank()
         self.size = group.size()
         self.shard = shard
-        self.links = links or []  # rank 0: one ``launch._Link`` per follower
+        self.links = links or []  # rank 0: one ``launch.FollowerLink`` per follower
         self.agreements = 0
         self._seq = 0
         self.lost: str | None = None

@@ -71,7 +71,7 @@ LINK_MAX = 1 << 16  # bytes in one follower message (they are a few dozen)
 _MAX_PENDING = 32  # handshakes at once during start-up; a flood past that is dropped unheard
 
 
-class _Link:
+class FollowerLink:
     """Rank 0's end of one follower's control connection (JSON lines both ways)."""
 
     def __init__(self, rank: int, host: Host, proc: subprocess.Popen, log: Path):
@@ -188,7 +188,7 @@ def start(hosts: list[Host], shard: str, model: str | None,
         argv = [sys.executable, "-m", "localchat.cluster.follower", "--rank", str(rank),
                 "--shard", shard, "--control", control] + (["--model", model] if model else [])
         proc = _spawn(host, argv, ring_hosts, rank, log, secret)
-        links.append(_Link(rank, host, proc, log))
+        links.append(FollowerLink(rank, host, proc, log))
     watchdog = _Watchdog(links)
     try:
         _accept(server, links, secret, logs / "control.log")
@@ -254,7 +254,7 @@ def _listen(address: str) -> socket.socket:
                        f"this machine's): {err.strerror or err}") from None
 
 
-def _accept(server: socket.socket, links: list[_Link], secret: str, log: Path) -> None:
+def _accept(server: socket.socket, links: list[FollowerLink], secret: str, log: Path) -> None:
     """Wait for every follower to connect and pass the handshake on ``secret``.
 
     Each connection's handshake has its own thread and deadline, so a stranger that stays
@@ -281,13 +281,13 @@ def _accept(server: socket.socket, links: list[_Link], secret: str, log: Path) -
 class _Gate:
     """Rank 0's side of the control handshake, one thread per connection during start-up."""
 
-    def __init__(self, links: list[_Link], secret: str, log: Path):
+    def __init__(self, links: list[FollowerLink], secret: str, log: Path):
         self.links, self.secret, self.log = links, secret, log
         self.waiting = {link.rank: link for link in links}  # not claimed by a handshake yet
         self.lock = threading.Lock()
         self.pending = 0
 
-    def left(self) -> list[_Link]:
+    def left(self) -> list[FollowerLink]:
         """The followers whose link is not attached yet (claimed is not enough: rank 0 must
         not send on a link before it has its socket)."""
         return [link for link in self.links if link.sock is None]
@@ -317,7 +317,7 @@ class _Gate:
             with self.lock:
                 self.pending -= 1
 
-    def _claim(self, rank: int) -> _Link | None:
+    def _claim(self, rank: int) -> FollowerLink | None:
         with self.lock:
             return self.waiting.pop(rank, None)
 
@@ -343,7 +343,7 @@ def _free_ports(n: int) -> list[int]:
 class _Watchdog:
     """Rank 0: notices a follower that is gone and ends the program within the timeout."""
 
-    links: list[_Link]
+    links: list[FollowerLink]
     ring: Ring | None = None
 
     def arm(self) -> None:

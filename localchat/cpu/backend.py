@@ -274,7 +274,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str
     memory (over ``LOCALCHAT_DEQUANTIZE_MAX_GB``, default 4) stay quantized.
 
     Args:
-        source: the model's fingerprint; a weights file made from another one is not used.
+        source: the model's digest; a weights file made from another one is not used.
     Returns:
         Notices for the user (a damaged weights file was rebuilt, or could not be kept).
     """

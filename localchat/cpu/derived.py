@@ -63,7 +63,7 @@ def load_checked(path: Path, source: str) -> dict | None:
     """The tensors in ``path`` if it exists and passes its check; None if there is none.
 
     Args:
-        source: what the file was derived from (a model fingerprint); a file made from
+        source: what the file was derived from (a model digest); a file made from
             anything else counts as damaged.
     Raises:
         DerivedDamaged: the file exists but is damaged, truncated, unchecked or stale.

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ..errors import BadInput
 from ..locks import ConversationLock
-from .folder import MANIFEST, KVStore
+from .folder import MANIFEST, CacheFolder
 
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -114,7 +114,7 @@ def enforce(kv_root: Path, locks_dir: Path, limit: int, keep: set[str] = frozens
         if not lock.try_acquire():
             continue  # in use by a turn right now
         try:
-            KVStore(use.folder).clear()
+            CacheFolder(use.folder).clear()
         finally:
             lock.release()
         cleared.append(use.folder.name)

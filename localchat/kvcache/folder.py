@@ -69,7 +69,7 @@ from .kinds import Captured
 KEEP_CHECKPOINTS = 3
 
 
-class KVStore:
+class CacheFolder:
     """The cache folder of one conversation."""
 
     def __init__(self, folder: Path):
@@ -316,7 +316,7 @@ class KVStore:
         self.remove_strays({s.file for s in keep} | {c.file for c in kept_ckpts})
         return written
 
-    def adopt(self, src: KVStore, man: Manifest, upto: int) -> int:
+    def adopt(self, src: CacheFolder, man: Manifest, upto: int) -> int:
         """Make this (empty) folder hold the first ``upto`` tokens of ``src``'s cache, sharing
         its files: whole segments and the checkpoints inside that prefix are hard links (no
         bytes written; deleting either folder leaves the other intact), a segment cut by

@@ -16,11 +16,11 @@ import shutil
 from pathlib import Path
 
 from ..store import Conversation
-from .folder import CacheInvalid, KVStore, Layout, Manifest, common_prefix
+from .folder import CacheFolder, CacheInvalid, Layout, Manifest, common_prefix
 
 MIN_SHARED = 32  # shorter prefixes shared with another conversation are not worth linking
 
-Donor = tuple[KVStore, Manifest, int]  # a stored cache, its manifest, the usable length
+Donor = tuple[CacheFolder, Manifest, int]  # a stored cache, its manifest, the usable length
 
 
 class Sharing:
@@ -53,7 +53,7 @@ class Sharing:
         for folder in self.kv_root.iterdir():
             if folder.name == exclude or not folder.is_dir():
                 continue
-            kv = KVStore(folder)
+            kv = CacheFolder(folder)
             try:
                 man = kv.checked_manifest(layout)
             except (CacheInvalid, OSError):
@@ -68,7 +68,7 @@ class Sharing:
                 best = (kv, man, k)
         return best
 
-    def adopt(self, kv: KVStore, layout: Layout, tokens: list[int]) -> Manifest | None:
+    def adopt(self, kv: CacheFolder, layout: Layout, tokens: list[int]) -> Manifest | None:
         """Link the best donor's prefix of ``tokens`` into the empty folder ``kv``; the
         manifest it then holds, or None (no donor, or one that changed under us)."""
         donor = self.find_donor(layout, tokens, exclude=kv.folder.name)
@@ -94,19 +94,19 @@ class NoSharing:
                    ) -> Donor | None:
         return None
 
-    def adopt(self, kv: KVStore, layout: Layout, tokens: list[int]) -> Manifest | None:
+    def adopt(self, kv: CacheFolder, layout: Layout, tokens: list[int]) -> Manifest | None:
         return None
 
 
 def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
     """Make conversation ``dst_id``'s empty cache folder share ``src_id``'s files (all its
     tokens); bytes written. Any failure only costs the next turn a prefill."""
-    src = KVStore(kv_root / str(src_id))
+    src = CacheFolder(kv_root / str(src_id))
     try:
         man = src.manifest()
         if man is None or (kv_root / str(dst_id) / "manifest.json").exists():
             return 0
-        return KVStore(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
+        return CacheFolder(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
     except (CacheInvalid, OSError):
         shutil.rmtree(kv_root / str(dst_id), ignore_errors=True)
         return 0

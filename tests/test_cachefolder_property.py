@@ -1,4 +1,4 @@
-"""Property test: random appends, trims, reloads and corruptions of a KVStore behave like an
+"""Property test: random appends, trims, reloads and corruptions of a CacheFolder behave like an
 in-memory reference (a list of tokens with their K/V rows)."""
 
 import zlib
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from localchat.kvcache.folder import CacheInvalid, KVStore, Layout, common_prefix
+from localchat.kvcache.folder import CacheFolder, CacheInvalid, Layout, common_prefix
 from localchat.kvcache.kinds import LeafSpec
 
 
@@ -22,7 +22,7 @@ GEOM = layout()
 LAYERS = 2
 
 
-def load(store: KVStore, lay: Layout = GEOM, **kw):
+def load(store: CacheFolder, lay: Layout = GEOM, **kw):
     """(tokens, per-layer (keys, values)) as the session reads them, or None."""
     man = store.checked_manifest(lay)
     if man is None:
@@ -55,7 +55,7 @@ def cache_from(rows: list[np.ndarray]) -> list:
 def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
     rng = np.random.default_rng(seed)
     folder = tmp_path_factory.mktemp("kv")
-    store = KVStore(folder)
+    store = CacheFolder(folder)
     tokens: list[int] = []  # the reference
     rows: list[np.ndarray] = []
     for op, arg in ops:
@@ -86,7 +86,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
                     if s.end <= kept:
                         assert (folder / s.file).read_bytes() == before[s.file]
         elif op == "reload":
-            loaded = load(KVStore(folder))
+            loaded = load(CacheFolder(folder))
             if not tokens:
                 assert loaded is None or loaded[0] == []
                 continue
@@ -104,7 +104,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             path.write_bytes(bytes(data))
             assert zlib.crc32(bytes(data)) != seg.crc32
             try:
-                load(KVStore(folder))
+                load(CacheFolder(folder))
                 raise AssertionError("a flipped bit must not load")
             except CacheInvalid:
                 pass
@@ -125,7 +125,7 @@ def test_bfloat16_and_float32_segments_round_trip(tmp_path):
         for c in cache:
             k = mx.random.normal((1, 1, 5, 4)).astype(getattr(mx, dtype))
             c.state = (k, k * 2, 5)
-        store = KVStore(tmp_path / dtype)
+        store = CacheFolder(tmp_path / dtype)
         store.commit(geom, [1, 2, 3, 4, 5], cache)
         tokens, layers = load(store, geom, headroom=3)
         assert tokens == [1, 2, 3, 4, 5]
