@@ -331,7 +331,7 @@ def _print_turn(events, as_json: bool, cancel):
 
 def cmd_chat(args) -> int:
     """Open the chat app (the default command)."""
-    from .tui.app import run_app
+    from .tui.run import run_app
 
     model = getattr(args, "model", None)
     group = None
@@ -351,7 +351,8 @@ def cmd_batch(args) -> int:
     """Run many prompts from a JSONL file; one JSON result line per input line, in order."""
     from pathlib import Path
 
-    from .batch import BatchOptions, Progress, done_ids, parse_lines, read_lines, run_batch
+    from .batch import BatchOptions, Progress, run_batch
+    from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
                            kv_bits=args.kv_bits, kv_group=args.kv_group_size)

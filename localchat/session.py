@@ -7,7 +7,9 @@ cache → prefill the rest → decode → persist — and is composed of parts w
 - ``conversations`` (``conversations.py``): find or create, rename, history, fork, delete;
 - ``cache`` (``turncache.py``): where a turn resumes, what it writes, the cache in memory;
 - ``sharing`` (``kvcache/sharing.py``): prefixes another conversation's cache can lend;
-- ``drafts`` (``drafts.py``): the next message prefilled while it is typed.
+- ``drafts`` (``drafts.py``): the next message prefilled while it is typed;
+
+and the model work of a turn — prefill, decode, checkpoints — is ``generation.generate``.
 
 ``turn`` is the one generator every front end consumes (CLI ``ask``, ``batch``, the TUI, the
 benchmarks); it yields the records of ``events.py``. What it is not: I/O for a person
@@ -30,9 +32,7 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import paths
@@ -42,7 +42,7 @@ from .drafts import Drafts, NoDrafts
 from .engine import Engine, now
 from .errors import BadInput, ContextFull, ConversationNotFound, LocalchatError, StorageError
 from .events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
-from .kvcache import kinds as ck
+from .generation import Cancel, Run, TurnOptions, generate, usage_of
 from .kvcache import quality as kvquality
 from .kvcache.folder import CacheFolder, CacheInvalid
 from .kvcache.prefixes import PrefixPool
@@ -52,45 +52,6 @@ from .turncache import Prior, Start, TurnCache
 
 __all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "ReplyChunk",
            "Session", "TurnFinished", "TurnOptions", "Usage", "open_session"]
-
-
-@dataclass(frozen=True)
-class TurnOptions:
-    """How to run a turn (``ask``'s flags, a batch line's settings)."""
-
-    max_tokens: int = 1024
-    temp: float = 0.0  # 0: greedy
-    seed: int | None = None
-    no_cache: bool = False  # ignore the stored K/V (full prefill), then store a fresh cache
-
-
-class Cancel:
-    """Stops one turn after the current token; thread-safe. Made by the caller before the
-    turn starts, so a stop that comes before the worker runs is not lost."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def set(self) -> None:
-        self._event.set()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-
-@dataclass
-class Run:
-    """What a turn's prefill and decode produced so far (read when it is cut short)."""
-
-    generated: list[int] = field(default_factory=list)
-    reply: str = ""
-    stopped: bool = False
-    logits_ready: bool = False
-    prefill_s: float = 0.0
-    t_first: float | None = None
-    t_last: float | None = None  # when the last token came (decode speed ends there)
-    fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
-    checkpoints: list[ck.Captured] = field(default_factory=list)
 
 
 def open_session(model: str | None = None, *, progress: Callable[[str], None] | None = None,
@@ -315,7 +276,7 @@ class Session:
         new_tokens = tokens[start.pos:]
         try:
             try:
-                yield from self._prefill_and_decode(new_tokens, start, max_tokens, options,
+                yield from generate(self.engine, new_tokens, start, max_tokens, options,
                                                     cancel, run)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
@@ -340,8 +301,9 @@ class Session:
         for rank, row in enumerate(rows[1:], start=1):
             if row[2]:
                 yield Notice(f"cache not saved on rank {rank}; it will be rebuilt")
-        usage = self._usage(tokens, start.pos, run, t0, cache_bytes=sum(r[0] for r in rows),
-                            written=sum(r[1] for r in rows), reason=reason, draft=start.draft)
+        usage = usage_of(self.engine, tokens, start.pos, run, t0,
+                         cache_bytes=sum(r[0] for r in rows), written=sum(r[1] for r in rows),
+                         reason=reason, draft=start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
@@ -404,12 +366,12 @@ class Session:
                     pass  # a damaged donor: prefill from zero
         start = self.cache.agree(Start(cache, k, snaps))  # every rank at the same token
         run = Run()
-        yield from self._prefill_and_decode(tokens[start.pos:], start, max_tokens, options,
+        yield from generate(self.engine, tokens[start.pos:], start, max_tokens, options,
                                             cancel or Cancel(), run)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"
-        usage = self._usage(tokens, start.pos, run, t0, reason=reason)
+        usage = usage_of(self.engine, tokens, start.pos, run, t0, reason=reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
 
     def render_checked(self, messages: list[dict], max_tokens: int,
@@ -424,84 +386,3 @@ class Session:
                 f"{info.context_length}: start a new conversation or shorten the message"
             )
         return tokens, min(max_tokens, room)
-
-    # -- prefill and decode ----------------------------------------------------------------
-
-    def _prefill_and_decode(self, new_tokens, start: Start, max_tokens: int,
-                            options: TurnOptions, cancel: Cancel, run: Run):
-        """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
-
-        Models with bounded layers get a checkpoint one token before the reply (the end of
-        the prompt) and one at the end of the reply.
-        """
-        engine, cache = self.engine, start.cache
-        bounded = bool(ck.bounded(cache))
-        run.fed = start.pos
-        t = now()
-        prefill = engine.prefill(new_tokens, cache)
-        logits = None
-        while logits is None:
-            if self._stop(cancel):
-                run.stopped = True
-                run.prefill_s = now() - t
-                return
-            try:
-                done, total = next(prefill)
-            except StopIteration as fin:
-                logits = fin.value
-                break
-            run.fed = start.pos + done
-            if bounded and done == total - 1:
-                run.checkpoints.append(ck.capture(cache, run.fed))
-            yield PrefillProgress(done, total)
-        run.prefill_s = now() - t
-        run.logits_ready = True
-        run.fed = start.pos + len(new_tokens)
-        detok = engine.detokenizer()
-        for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed):
-            if run.t_first is None:
-                run.t_first = now()
-            run.generated.append(tok)
-            # engine.decode has fed every token it yielded, except an EOS and the last
-            # allowed one (fed when the loop reads on: see the else below).
-            final = tok in engine.eos_ids or len(run.generated) >= max_tokens
-            run.fed = start.pos + len(new_tokens) + len(run.generated) - final
-            run.t_last = now()
-            if tok in engine.eos_ids:
-                break
-            detok.add_token(tok)
-            if piece := detok.last_segment:
-                run.reply += piece
-                yield ReplyChunk(piece)
-            if self._stop(cancel):
-                run.stopped = True
-                break
-        else:
-            if run.generated and len(run.generated) >= max_tokens:
-                run.fed += 1
-        detok.finalize()
-        if piece := detok.last_segment:
-            run.reply += piece
-            yield ReplyChunk(piece)
-        # Store what the ids decode to: the streaming detokenizer trims a leading space, and
-        # the next turn keeps these ids only if the stored text renders back to them.
-        ids = [t for t in run.generated if t not in engine.eos_ids]
-        run.reply = engine.decode_text(ids) if ids else run.reply
-        if bounded:
-            run.checkpoints.append(ck.capture(cache, run.fed))
-
-    def _stop(self, cancel: Cancel) -> bool:
-        """Stop here? Split over ranks, rank 0's answer (Ctrl-C reaches rank 0 only)."""
-        return self.group.agree_any(cancel.is_set())
-
-    def _usage(self, tokens: list[int], k: int, run: Run, t0: float, *, cache_bytes: int = 0,
-               written: int = 0, reason: str = "", draft: int = 0) -> Usage:
-        t_end = now()
-        t_first = run.t_first or t_end
-        return Usage.of(
-            prompt_tokens=len(tokens), cached_tokens=k, completion_tokens=len(run.generated),
-            t0=t0, t_first=t_first, t_last=run.t_last or t_end, prefill_s=run.prefill_s,
-            context_tokens=run.fed,
-            context_length=self.engine.info().context_length, cache_bytes=cache_bytes,
-            bytes_written=written, miss_reason=reason,
-            checkpoints=not self.engine.info().cut_anywhere, draft_tokens=draft)

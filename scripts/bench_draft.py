@@ -119,7 +119,7 @@ class Driver:
 
         while True:
             found = re.search(r"draft \d+/\d+ prefilled", self.status())
-            if found and self.app.draft_text == self.app.query_one(Composer).text:
+            if found and self.app.drafts.text == self.app.query_one(Composer).text:
                 return found.group(0)
             await asyncio.sleep(0.01)
 
@@ -202,7 +202,7 @@ def main() -> None:
                         results[name].append(r)
             await d.new_conversation(history)
             for on in (True, False):
-                app.draft_prefill = on
+                app.drafts.enabled = on
                 keystrokes[on] = await d.keystrokes(note, keys)
 
     asyncio.run(run())

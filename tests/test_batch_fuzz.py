@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localchat import cli
-from localchat.batch import BOM, KEYS, ROLES, BatchResult, Job, done_ids, parse_lines
+from localchat.batchlines import BOM, KEYS, ROLES, BatchResult, Job, done_ids, parse_lines
 from localchat.errors import ContextFull, ConversationNotFound
 from localchat.events import TurnFinished, Usage
 

@@ -71,9 +71,10 @@ LAYERS = {
                           "localchat.cluster.control", "localchat.cluster.split"],
     "engine": ["localchat.engine"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
-                "localchat.drafts"],
+                "localchat.drafts", "localchat.generation"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
-                   "localchat.batch", "localchat.parallel", "localchat.tui", "localchat.tui.*",
+                   "localchat.batch", "localchat.batchlines", "localchat.parallel",
+                   "localchat.tui", "localchat.tui.*", "localchat.server", "localchat.server.*",
                    "localchat.cluster.launch", "localchat.cluster.follower"],
 }
 

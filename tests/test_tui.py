@@ -314,7 +314,7 @@ async def wait_for_draft(app, pilot, tries: int = 1200) -> str:
 
     for _ in range(tries):
         found = re.search(r"draft \d+/\d+ prefilled", status_text(app))
-        if found and app.draft_text == app.query_one(Composer).text:
+        if found and app.drafts.text == app.query_one(Composer).text:
             return found.group(0)
         await pilot.pause(0.05)
     raise AssertionError(f"the draft was never prefilled: {status_text(app)!r}")
@@ -390,18 +390,18 @@ async def test_draft_prefill_can_be_turned_off(make_app, monkeypatch):
 
     monkeypatch.setenv("LOCALCHAT_DRAFT_PREFILL", "0")
     app, _ = make_app(["one"])
-    assert not app.draft_prefill
+    assert not app.drafts.enabled
     monkeypatch.delenv("LOCALCHAT_DRAFT_PREFILL")
     app, _ = make_app(["one", "two"])
     async with app.run_test(size=(160, 40)) as pilot:
         await settle(app, pilot)
-        assert app.draft_prefill
+        assert app.drafts.enabled
         await pilot.press("ctrl+p")
         await pilot.press(*"Draft prefill")
         await pilot.pause(0.3)
         await pilot.press("enter")
         await pilot.pause()
-        assert not app.draft_prefill
+        assert not app.drafts.enabled
         assert any("draft prefill off" in n.message for n in app._notifications)
         app.post_message(events.Paste(PASTE))
         await pilot.pause()

@@ -90,7 +90,7 @@ class Actions:
 
         def done(yes: bool | None) -> None:
             if yes:
-                self.stop_draft()
+                self.drafts.stop()
                 self.busy = True
                 self.conversation_op(lambda ops: (ops.delete(conv), None)[1],
                                      f"deleted {conv.name}")
@@ -132,7 +132,7 @@ class Actions:
 
         def done(name: str | None) -> None:
             if name and name.strip():
-                self.stop_draft()
+                self.drafts.stop()
                 self.busy = True
                 self.conversation_op(lambda ops: ops.fork(conv, name.strip())[0],
                                      f"branched {conv.name} into {name.strip()}")
@@ -148,7 +148,7 @@ class Actions:
             if text is not None and text != visible(self.current.system or ""):
                 self.current = self.store.update(self.current, system=text.strip() or None)
                 self.notify("system prompt set" if text.strip() else "system prompt cleared")
-                self.schedule_draft()  # the draft now follows another system prompt
+                self.drafts.schedule()  # the draft now follows another system prompt
 
         self.push_screen(TextScreen("System prompt (empty for the model's default)",
                                     self.current.system or ""), done)
@@ -190,7 +190,7 @@ class Actions:
                             self.action_system_prompt)
         yield SystemCommand("Pick model", "Choose the model", self.action_pick_model)
         yield SystemCommand(
-            "Draft prefill: " + ("turn off" if self.draft_prefill else "turn on"),
+            "Draft prefill: " + ("turn off" if self.drafts.enabled else "turn on"),
             "Prefill the message while you type, so the reply starts at once "
             "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)

@@ -3,8 +3,8 @@
 What it is: a Textual front end over ``Session`` — no model logic here. All MLX work (loading
 a model, every turn, the draft prefill of the unsent message) runs on one thread
 (``mlxthread.py``), one job at a time; the workers post messages (``messages.py``) and this
-thread renders them. Run it with ``localchat`` or
-``localchat chat [-c NAME] [-m MODEL]``.
+thread renders them; the unsent message's prefill is timed by ``drafting.py``. Run it with
+``localchat`` or ``localchat chat [-c NAME] [-m MODEL]`` (``run.py``).
 
 Other processes (``ask``, ``rm``, another app) may change the conversations while the app
 runs: it polls the database's change counter every second and follows a rename, shows new
@@ -13,14 +13,11 @@ re-reads its conversation under the conversation's lock and never writes into a 
 
 A bug (an unexpected exception) ends the app with the terminal given back, the unsent
 message kept for the next start (``crashlog.save_unsent``), the traceback in a log file and
-one line naming it; exit status 1.
+one line naming it (``run.py``); exit status 1.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +44,7 @@ from ..store import Conversation, Store
 from .actions import Actions
 from .chatview import ChatView
 from .composer import Composer
+from .drafting import DraftTimer
 from .messages import (
     DraftAdvanced,
     ModelFailed,
@@ -60,18 +58,9 @@ from .messages import (
 )
 from .mlxthread import MLXThread
 from .sidebar import Sidebar
-from .statusbar import StatusBar, describe_draft
+from .statusbar import StatusBar
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
-DRAFT_DELAY = 0.3  # seconds the message box stays still before its draft is prefilled
-
-
-def draft_prefill_default() -> bool:
-    """``LOCALCHAT_DRAFT_PREFILL=0`` turns draft prefill off (the palette toggles it too)."""
-    return os.environ.get("LOCALCHAT_DRAFT_PREFILL", "1").strip().lower() not in (
-        "0", "off", "false", "no")
-
-
 class LocalchatApp(Actions, App):
     CSS_PATH = "app.tcss"
     TITLE = "localchat"
@@ -110,10 +99,7 @@ class LocalchatApp(Actions, App):
         self._stream = None
         self._loaded_model: str | None = None
         self._cancel: Cancel | None = None  # the running turn's
-        self.draft_prefill = draft_prefill_default() if draft_prefill is None else draft_prefill
-        self._draft_cancel = Cancel()  # the latest draft's; set on every change and on send
-        self.draft_text: str | None = None  # what the latest draft prefill is of
-        self._draft_timer = None
+        self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill
         # All MLX work runs on this one thread, one job at a time: a draft still finishing
         # its chunk when Enter comes (or a model loads) is waited for, never run beside.
         self.mlx = MLXThread()
@@ -218,7 +204,7 @@ class LocalchatApp(Actions, App):
                                           and self.group is None):
             self.start_model(conv.model)
         else:
-            self.schedule_draft()  # the message box's text, now for this conversation
+            self.drafts.schedule()  # the message box's text, now for this conversation
 
     @on(Sidebar.Picked)
     def picked(self, event: Sidebar.Picked) -> None:
@@ -239,7 +225,7 @@ class LocalchatApp(Actions, App):
         self.busy = True
         self._loaded_model = name
         self.query_one(StatusBar).model = f"loading {name}…"
-        self.stop_draft()
+        self.drafts.stop()
         self.load_model_worker(name)
 
     @work(thread=True, exclusive=True, group="mlx")
@@ -286,7 +272,7 @@ class LocalchatApp(Actions, App):
         for text in msg.notices:
             self.notify(text, severity="warning", timeout=20)
         self.update_draft_count()
-        self.schedule_draft()
+        self.drafts.schedule()
 
     def on_model_failed(self, msg: ModelFailed) -> None:
         self.busy = False
@@ -325,7 +311,7 @@ class LocalchatApp(Actions, App):
         self._stream = MarkdownWidget.get_stream(reply)
         self.busy = True
         self._cancel = Cancel()
-        self.stop_draft()  # the turn starts from what it prefilled (Drafts.prefill)
+        self.drafts.stop()  # the turn starts from what it prefilled (Drafts.prefill)
         self.query_one(StatusBar).activity = "thinking…"
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
@@ -383,7 +369,7 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).show_usage(msg.usage)
         if self.sync_current():
             self.refresh_sidebar()
-        self.schedule_draft()  # what was typed during the reply
+        self.drafts.schedule()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
         await self._end_stream()
@@ -408,81 +394,27 @@ class LocalchatApp(Actions, App):
     @on(Composer.Changed)
     def draft_changed(self) -> None:
         self.update_draft_count()
-        self.schedule_draft()
-
-    def schedule_draft(self) -> None:
-        """Stop the running draft prefill (at its next chunk) and start one on this text once
-        the message box has been still for ``DRAFT_DELAY``."""
-        self.stop_draft()
-        if self.draft_prefill and self.query_one(Composer).text.strip():
-            self._draft_timer = self.set_timer(DRAFT_DELAY, self.start_draft)
-
-    def stop_draft(self) -> None:
-        self._draft_cancel.set()
-        if self._draft_timer is not None:
-            self._draft_timer.stop()
-            self._draft_timer = None
-        self.query_one(StatusBar).draft = ""  # the figures were the old text's
-
-    def start_draft(self) -> None:
-        self._draft_timer = None
-        boxes = self.query(Composer)
-        if not boxes:
-            return  # the timer fired while the app closes (its screen is gone)
-        text = boxes.first().text
-        # Never beside a reply or a model load (busy), and not for an edit of the last
-        # message (the session's draft is a new message after the history).
-        if (not self.draft_prefill or self.busy or self.editing or self.session is None
-                or self.current is None or not text.strip()):
-            return
-        self._draft_cancel = Cancel()
-        self.draft_text = text
-        self.draft_worker(self.current, text, self._draft_cancel)
-
-    @work(thread=True, exclusive=True, group="mlx")
-    def draft_worker(self, conv: Conversation, text: str, cancel: Cancel) -> None:
-        self.mlx.call(self._run_draft, conv, text, cancel)
-
-    def _run_draft(self, conv: Conversation, text: str, cancel: Cancel) -> None:
-        if cancel.is_set():
-            return  # typed on or sent while this job waited
-        session = self.session
-        try:
-            conv = session.store.by_id(conv)
-            if conv is None:
-                return  # deleted by another process; the app notices on its next poll
-            for progress in session.drafts.prefill(conv, text, cancel):
-                self.post_message(DraftAdvanced(progress, cancel))
-        except LocalchatError:
-            pass  # the turn meets it too if the message is sent, and says so then
-        except Exception as err:  # noqa: BLE001 - a bug here must not close the app
-            self.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
+        self.drafts.schedule()
 
     def on_draft_advanced(self, msg: DraftAdvanced) -> None:
-        if msg.cancel is not self._draft_cancel or msg.cancel.is_set() or self.busy:
-            return  # an older draft's figures, or the message is sent
-        self.query_one(StatusBar).draft = describe_draft(msg.progress)
+        self.drafts.advanced(msg)
 
     def action_toggle_draft_prefill(self) -> None:
-        self.draft_prefill = not self.draft_prefill
-        self.schedule_draft()
+        self.drafts.enabled = not self.drafts.enabled
+        self.drafts.schedule()
         self.notify("draft prefill " + ("on: a message is prefilled while you type"
-                                        if self.draft_prefill else "off"))
+                                        if self.drafts.enabled else "off"))
 
     def update_draft_count(self) -> None:
         text = self.query_one(Composer).text
         label = self.query_one("#draft", Label)
-        session = self.session
-        if session is None:
+        if self.session is None:
             label.update("")
             return
-        # The tokenizer is not MLX and fast enough for typing speed; the session guards it
-        # against the worker's use.
-        n = session.count_tokens(text)
+        # The tokenizer is not MLX and fast enough for typing speed (``count_tokens``).
+        n = self.session.count_tokens(text)
         hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
         label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
-
-
 
     # -- a bug: keep the unsent message, log the traceback, give the terminal back ----------
 
@@ -513,52 +445,5 @@ class LocalchatApp(Actions, App):
         """
         if self.busy and self._cancel is not None:
             self._cancel.set()
-        self._draft_cancel.set()  # the draft lived in memory only: it is dropped
+        self.drafts.cancel.set()  # the draft lived in memory only: it is dropped
         self.exit()
-
-
-def run_app(conversation: str | None = None, model: str | None = None,
-            kv_bits: int | None = None, kv_group: int | None = None, group=None) -> int:
-    app = LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
-                       kv_group=kv_group, group=group)
-    if group is not None:
-        import threading
-
-        closed = threading.Event()
-
-        def lost(why: str) -> None:  # the cluster watchdog's thread: leave the screen first
-            app.lost = why
-            app.call_from_thread(app.exit)
-            closed.wait(3.0)
-
-        async def run() -> None:
-            try:
-                await app.run_async()
-            finally:
-                # The terminal is back now; ``app.run()`` would return only after the
-                # worker thread, which a lost rank can block in a collective for good.
-                closed.set()
-
-        group.on_lost.append(lost)
-        asyncio.run(run())
-        crashed(app)
-        if app.lost:
-            from ..cluster.launch import write_stderr
-
-            group.exiting = True
-            write_stderr(f"localchat: error: {app.lost}\n")
-            os._exit(1)  # the MLX thread may be blocked in a collective for good
-        return 1 if app.crashed else 0
-    app.run()
-    return 1 if crashed(app) else 0
-
-
-def crashed(app: LocalchatApp) -> bool:
-    """After the app: one line when a bug ended it (the terminal is back by now)."""
-    if app.crashed is None:
-        return False
-    kept = " Your unsent message will be back in the message box." if os.path.exists(
-        paths.data_home() / crashlog.UNSENT) else ""
-    print(f"localchat: error: {crashlog.one_line(app.crashed, app.crash_log)}.{kept}",
-          file=sys.stderr)
-    return True

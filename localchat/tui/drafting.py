@@ -1,0 +1,90 @@
+"""The app's side of draft prefill: when the unsent message is prefilled, and its figures.
+
+What it is: ``DraftTimer``, owned by the app. Once the message box has been still for
+``DRAFT_DELAY``, it runs the session's ``Drafts.prefill`` on the MLX thread (after whatever job
+is there; never beside a reply or a model load), stops it at the next keystroke, and shows
+its progress in the status bar. What it is not: which tokens are prefilled (``drafts.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import LocalchatError
+from ..generation import Cancel
+from ..store import Conversation
+from .composer import Composer
+from .messages import DraftAdvanced, TurnNoticed
+from .statusbar import StatusBar, describe_draft
+
+DRAFT_DELAY = 0.3  # seconds the message box stays still before its draft is prefilled
+
+
+def draft_prefill_default() -> bool:
+    """``LOCALCHAT_DRAFT_PREFILL=0`` turns draft prefill off (the palette toggles it too)."""
+    return os.environ.get("LOCALCHAT_DRAFT_PREFILL", "1").strip().lower() not in (
+        "0", "off", "false", "no")
+
+
+class DraftTimer:
+    """Schedules, runs and stops the prefill of ``app``'s unsent message."""
+
+    def __init__(self, app, enabled: bool | None = None):
+        self.app = app
+        self.enabled = draft_prefill_default() if enabled is None else enabled
+        self.cancel = Cancel()  # the latest draft's; set on every change and on send
+        self.text: str | None = None  # what the latest draft prefill is of
+        self._timer = None
+
+    def schedule(self) -> None:
+        """Stop the running draft prefill (at its next chunk) and start one on the box's text
+        once it has been still for ``DRAFT_DELAY``."""
+        self.stop()
+        if self.enabled and self.app.query_one(Composer).text.strip():
+            self._timer = self.app.set_timer(DRAFT_DELAY, self.start)
+
+    def stop(self) -> None:
+        self.cancel.set()
+        if self._timer is not None:
+            self._timer.stop()
+            self._timer = None
+        self.app.query_one(StatusBar).draft = ""  # the figures were the old text's
+
+    def start(self) -> None:
+        self._timer = None
+        app = self.app
+        boxes = app.query(Composer)
+        if not boxes:
+            return  # the timer fired while the app closes (its screen is gone)
+        text = boxes.first().text
+        # Never beside a reply or a model load (busy), and not for an edit of the last
+        # message (the session's draft is a new message after the history).
+        if (not self.enabled or app.busy or app.editing or app.session is None
+                or app.current is None or not text.strip()):
+            return
+        self.cancel = cancel = Cancel()
+        self.text = text
+        conv = app.current
+        app.run_worker(lambda: app.mlx.call(self._run, conv, text, cancel), thread=True,
+                       exclusive=True, group="mlx")
+
+    def _run(self, conv: Conversation, text: str, cancel: Cancel) -> None:
+        """On the MLX thread."""
+        if cancel.is_set():
+            return  # typed on or sent while this job waited
+        app, session = self.app, self.app.session
+        try:
+            conv = session.store.by_id(conv)
+            if conv is None:
+                return  # deleted by another process; the app notices on its next poll
+            for progress in session.drafts.prefill(conv, text, cancel):
+                app.post_message(DraftAdvanced(progress, cancel))
+        except LocalchatError:
+            pass  # the turn meets it too if the message is sent, and says so then
+        except Exception as err:  # noqa: BLE001 - a bug here must not close the app
+            app.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
+
+    def advanced(self, msg: DraftAdvanced) -> None:
+        if msg.cancel is not self.cancel or msg.cancel.is_set() or self.app.busy:
+            return  # an older draft's figures, or the message is sent
+        self.app.query_one(StatusBar).draft = describe_draft(msg.progress)
