@@ -30,6 +30,7 @@ from .cli_data import (
 from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, human_bytes, say
 from .models import DEFAULT_MODEL
+from .server.run import cmd_serve
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     i = add("inspect", cmd_inspect)
     i.add_argument("-m", "--model", metavar="MODEL")
     i.add_argument("--json", action="store_true")
+    sv = add("serve", cmd_serve)
+    sv.add_argument("--host", default="127.0.0.1",
+                    help="address to listen on (default 127.0.0.1; others need --api-key)")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("-m", "--model", metavar="MODEL")
+    sv.add_argument("--api-key", metavar="KEY", help="clients must send it (or set "
+                    "LOCALCHAT_API_KEY, which keeps it off the command line)")
+    sv.add_argument("--queue", type=int, default=16, metavar="N",
+                    help="requests that may wait while one runs (more get 429)")
     return p
 
 
@@ -420,7 +430,7 @@ def cmd_inspect(args) -> int:
     mine = total = tokens = 0
     root = paths.kv_root()
     if root.is_dir():
-        for folder in root.iterdir():
+        for folder in (f for f in root.iterdir() if f.is_dir()):
             kv = CacheFolder(folder)
             size = kv.disk_bytes()
             total += size

@@ -10,12 +10,12 @@ their cache folders on this machine (``kv/`` and every rank's folder under ``kv-
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from . import paths
 from .errors import BadInput
 from .kvcache import budget
+from .kvcache.folder import CacheFolder
 from .kvcache.sharing import link_cache
 from .locks import ConversationLock
 from .store import Conversation, Store
@@ -112,4 +112,4 @@ class Conversations:
         with self.lock(conv):
             self.store.delete(conv)
             for root in budget.cache_roots(self.kv_root):
-                shutil.rmtree(root / str(conv.id), ignore_errors=True)
+                CacheFolder(root / str(conv.id)).remove()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from .cpu import attention, backend
-from .errors import ModelBroken
+from .errors import BadInput, ModelBroken
 from .kvcache import kinds as ck
 from .kvcache.folder import Layout, common_prefix
 from .models import ModelRef, model_digest, resolve
@@ -204,10 +204,15 @@ class Engine:
         byte-level Korean) keeps its ids, so the next turn does not prefill it again. The
         ids are the conversation's; ``--no-cache`` uses the same ones.
         """
+        from jinja2 import TemplateError
+
         with self._tokenizer_lock:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation_prompt, tokenize=False
-            )
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=generation_prompt, tokenize=False)
+            except TemplateError as err:  # roles in an order it refuses, say
+                raise BadInput(f"the model's chat template refuses these messages: {err}"
+                               ) from None
             canonical = self._encode(text)
             if not prior or common_prefix(prior, canonical) == len(prior):
                 return canonical
@@ -321,7 +326,8 @@ class Engine:
         return logits
 
     def decode(
-        self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None
+        self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
+        top_p: float = 1.0,
     ) -> Iterator[int]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
@@ -335,7 +341,7 @@ class Engine:
             return
         if seed is not None:
             mx.random.seed(seed)
-        sampler = make_sampler(temp)
+        sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0)
         eos = self.eos_ids
         root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
         y = root(sampler(logits))

@@ -124,6 +124,8 @@ class TurnFinished:
     usage: Usage
     stopped: bool  # the reply was cut short by the user; it is saved marked partial
     tokens: tuple[int, ...] = ()  # the generated token ids, EOS included when produced
+    finish: str = "stop"  # stop (the model ended it), length, stop_sequence, cancelled
+    stop_sequence: str | None = None  # the stop string that ended it
 
 
 Event = Notice | PrefillProgress | ReplyChunk | TurnFinished

@@ -29,6 +29,8 @@ class TurnOptions:
     temp: float = 0.0  # 0: greedy
     seed: int | None = None
     no_cache: bool = False  # ignore the stored K/V (full prefill), then store a fresh cache
+    top_p: float = 1.0  # nucleus sampling when temp > 0 (1: off)
+    stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
 
 
 class Cancel:
@@ -58,6 +60,8 @@ class Run:
     t_last: float | None = None  # when the last token came (decode speed ends there)
     fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
     checkpoints: list[ck.Captured] = field(default_factory=list)
+    finish: str = "stop"  # why it ended: stop (end of text), length, stop_sequence, cancelled
+    stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
@@ -96,7 +100,9 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     run.logits_ready = True
     run.fed = start.pos + len(new_tokens)
     detok = engine.detokenizer()
-    for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed):
+    text = Streamed(options.stop)
+    for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
+                             options.top_p):
         if run.t_first is None:
             run.t_first = now()
         run.generated.append(tok)
@@ -108,25 +114,69 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         if tok in engine.eos_ids:
             break
         detok.add_token(tok)
-        if piece := detok.last_segment:
-            run.reply += piece
+        piece = text.add(detok.last_segment)
+        run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)
+        if piece:
             yield ReplyChunk(piece)
+        if text.stop is not None:
+            run.finish, run.stop_sequence = "stop_sequence", text.stop
+            break
         if stop():
-            run.stopped = True
+            run.stopped, run.finish = True, "cancelled"
             break
     else:
         if run.generated and len(run.generated) >= max_tokens:
             run.fed += 1
+            run.finish = "length"
     detok.finalize()
-    if piece := detok.last_segment:
-        run.reply += piece
+    piece = text.end(detok.last_segment)
+    run.reply = text.text
+    if piece:
         yield ReplyChunk(piece)
     # Store what the ids decode to: the streaming detokenizer trims a leading space, and
-    # the next turn keeps these ids only if the stored text renders back to them.
+    # the next turn keeps these ids only if the stored text renders back to them. A reply
+    # cut at a stop string is stored cut (the next turn's prefix match drops the rest).
     ids = [t for t in run.generated if t not in engine.eos_ids]
-    run.reply = engine.decode_text(ids) if ids else run.reply
+    run.reply = text.text if text.stop is not None or not ids else engine.decode_text(ids)
     if bounded:
         run.checkpoints.append(ck.capture(cache, run.fed))
+
+
+class Streamed:
+    """A reply's text as it is streamed, ending before the first of ``stops``: text that may
+    be the start of a stop string is held back until the next piece says it is not."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = ""  # all of the reply so far (cut at a stop string once one is found)
+        self.sent = 0  # characters of ``text`` streamed
+        self.stop: str | None = None
+
+    def add(self, piece: str) -> str:
+        """What of ``piece`` (and of earlier held text) can be streamed now."""
+        if not piece or self.stop is not None:
+            return ""
+        self.text += piece
+        if self.stops:
+            hits = [(self.text.find(s, max(0, self.sent - len(s))), s) for s in self.stops]
+            hits = [(at, s) for at, s in hits if at >= 0]
+            if hits:
+                at, self.stop = min(hits)
+                self.text = self.text[:at]
+                return self._send(len(self.text))
+        return self._send(len(self.text) - self.hold)
+
+    def end(self, piece: str) -> str:
+        """The rest, once the reply ended."""
+        out = self.add(piece)
+        return out + (self._send(len(self.text)) if self.stop is None else "")
+
+    def _send(self, upto: int) -> str:
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
 
 
 def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,

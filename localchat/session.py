@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -169,7 +168,7 @@ class Session:
     def delete_shard(self, conversation_id: int) -> None:
         """A follower's part of ``delete``: its own cache folder of the conversation."""
         self.cache.forget(conversation_id)
-        shutil.rmtree(self.cache.cache_folder(conversation_id).folder, ignore_errors=True)
+        self.cache.cache_folder(conversation_id).remove()
 
     def fork(self, conv: Conversation, name: str, at: int | None = None
              ) -> tuple[Conversation, int]:
@@ -199,25 +198,35 @@ class Session:
         """
         if prompt is not None and not prompt.strip():
             raise BadInput("empty prompt")
-        yield from self.follow(conv, prompt, options, cancel or Cancel(), cut=None)
+        new = [] if prompt is None else [{"role": "user", "content": prompt}]
+        yield from self.follow(conv, new, options, cancel or Cancel(), cut=None)
+
+    def answer(self, conv: Conversation, new: list[dict], options: TurnOptions = TurnOptions(),
+               cancel: Cancel | None = None) -> Iterator[Event]:
+        """Add ``new`` messages (``{role, content}``, the last from the user) and answer: the
+        turn of a request that re-sends a conversation (``stateless.py``). Nothing is stored
+        when the conversation would not fit the context."""
+        yield from self.follow(conv, new, options, cancel or Cancel(), cut=None)
 
     def regenerate(self, conv: Conversation, options: TurnOptions = TurnOptions(),
                    cancel: Cancel | None = None) -> Iterator[Event]:
         """Drop the last reply and answer the last user message again (reuses the cache
         up to that message)."""
-        yield from self.follow(conv, None, options, cancel or Cancel(), cut="reply")
+        yield from self.follow(conv, [], options, cancel or Cancel(), cut="reply")
 
     def edit_last(self, conv: Conversation, text: str, options: TurnOptions = TurnOptions(),
                   cancel: Cancel | None = None) -> Iterator[Event]:
         """Replace the last user message (and what follows) by ``text`` and answer it."""
         if not text.strip():
             raise BadInput("empty prompt")
-        yield from self.follow(conv, text, options, cancel or Cancel(), cut="user")
+        yield from self.follow(conv, [{"role": "user", "content": text}], options,
+                               cancel or Cancel(), cut="user")
 
-    def follow(self, conv: Conversation, prompt: str | None, options: TurnOptions,
+    def follow(self, conv: Conversation, new: list[dict], options: TurnOptions,
                cancel: Cancel, cut: str | None) -> Iterator[Event]:
-        """A turn as ``turn``, ``regenerate`` (``cut="reply"``) or ``edit_last``
-        (``cut="user"``) run it — and as a follower rank runs rank 0's."""
+        """A turn as ``turn``, ``answer``, ``regenerate`` (``cut="reply"``) or ``edit_last``
+        (``cut="user"``) run it — and as a follower rank runs rank 0's: ``new`` messages are
+        added (after the cut) and the conversation is answered."""
         t0 = now()
         lock = self.conversations.lock(conv)
         if not lock.try_acquire():
@@ -233,28 +242,26 @@ class Session:
                                            "another localchat process")
             conv = fresh
             self.group.command("turn", lambda: {
-                "conversation": dataclasses.asdict(conv), "prompt": prompt, "cut": cut,
+                "conversation": dataclasses.asdict(conv), "new": new, "cut": cut,
                 "options": dataclasses.asdict(options),
                 "messages": [(m.seq, m.role, m.content, m.partial)
                              for m in self.store.messages(conv)]})
             with self._reported():
                 reason = self.conversations.cut(conv, cut) if cut else ""
-                yield from self._turn(conv, prompt, options, cancel, t0, reason)
+                yield from self._turn(conv, new, options, cancel, t0, reason)
         finally:
             lock.release()
             self._running = None
 
-    def _turn(self, conv, prompt, options: TurnOptions, cancel: Cancel, t0: float,
+    def _turn(self, conv, new: list[dict], options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
-        history = self.conversations.history(conv)
-        if prompt is not None:
-            history.append({"role": "user", "content": prompt})
-        elif not history or history[-1]["role"] != "user":
+        history = self.conversations.history(conv) + list(new)
+        if not history or history[-1]["role"] != "user":
             raise BadInput("nothing to answer: the conversation does not end with a user message")
         prior = self.cache.prior(conv, options.no_cache)
         tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens)
-        if prompt is not None:
-            self.store.add_message(conv, "user", prompt)
+        for m in new:
+            self.store.add_message(conv, m["role"], m["content"])
         note = prior.note
         if prior.manifest is None and not options.no_cache and not self.engine.info().unknown:
             # Nothing stored for this conversation: start from another one's prefix if any.
@@ -304,7 +311,8 @@ class Session:
         usage = usage_of(self.engine, tokens, start.pos, run, t0,
                          cache_bytes=sum(r[0] for r in rows), written=sum(r[1] for r in rows),
                          reason=reason, draft=start.draft)
-        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
+        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
+                           run.stop_sequence)
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
                  partial: bool) -> tuple[int, str]:
@@ -372,7 +380,8 @@ class Session:
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"
         usage = usage_of(self.engine, tokens, start.pos, run, t0, reason=reason)
-        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated))
+        yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
+                           run.stop_sequence)
 
     def render_checked(self, messages: list[dict], max_tokens: int,
                        prior: list[int] | None = None) -> tuple[list[int], int]:

@@ -14,6 +14,7 @@ same kind of line (``StorageError``).
 
 from __future__ import annotations
 
+import hashlib
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -52,7 +53,36 @@ MIGRATIONS = [
     ALTER TABLE conversations ADD COLUMN kv_bits INTEGER;
     ALTER TABLE conversations ADD COLUMN kv_group INTEGER;
     """,
+    # Each message's chained hash (``message_chain``): which conversation a request that
+    # re-sends a history continues (``continued_by``), found by index, not by a scan.
+    """
+    ALTER TABLE messages ADD COLUMN chain BLOB;
+    CREATE INDEX messages_chain ON messages (chain);
+    """,
 ]
+CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
+
+
+def chain_seed(system: str | None) -> bytes:
+    """The start of a conversation's message chain: its system prompt."""
+    return hashlib.blake2b(b"system\0" + (system or "").strip().encode(), digest_size=16).digest()
+
+
+def message_chain(previous: bytes, role: str, content: str) -> bytes:
+    """The hash of a conversation's messages up to this one. Text is compared stripped: a
+    client re-sends a reply as it was streamed, which may differ from the stored text in
+    leading or trailing spaces."""
+    data = previous + role.encode() + b"\0" + content.strip().encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def chains(system: str | None, messages: list[tuple[str, str]]) -> list[bytes]:
+    """The chain of every prefix of ``messages`` ((role, content) pairs), in order."""
+    out, h = [], chain_seed(system)
+    for role, content in messages:
+        h = message_chain(h, role, content)
+        out.append(h)
+    return out
 
 
 @dataclass(frozen=True)
@@ -157,6 +187,37 @@ class Store:
         a cheap poll for what other processes did."""
         return self._rows("PRAGMA data_version")[0][0]
 
+    def continued_by(self, system: str | None, messages: list[tuple[str, str]], model: str
+                     ) -> list[tuple[Conversation, int]]:
+        """Conversations of ``model`` whose first messages are the first of ``messages``
+        ((role, content), compared stripped) under the same system prompt: (conversation,
+        how many messages it shares), most shared first, then most recently used. Found
+        through the messages' chains (an index), whatever the number of conversations."""
+        hashes = chains(system, messages)
+        if not hashes:
+            return []
+        depth = {h: i + 1 for i, h in enumerate(hashes)}
+        found: dict[int, int] = {}
+        for start in range(0, len(hashes), 500):  # (SQLite's bound on parameters)
+            part = hashes[start:start + 500]
+            for conv_id, chain in self._rows(
+                    "SELECT m.conversation_id, m.chain FROM messages m JOIN conversations c"
+                    " ON c.id = m.conversation_id WHERE c.model = ? AND m.chain IN"
+                    f" ({','.join('?' * len(part))})", (model, *part)):
+                found[conv_id] = max(found.get(conv_id, 0), depth[chain])
+        convs = {c.id: c for c in self._conversations_with_ids(list(found))}
+        ranked = sorted(((convs[i], n) for i, n in found.items() if i in convs),
+                        key=lambda cn: (-cn[1], -cn[0].updated))
+        return ranked
+
+    def _conversations_with_ids(self, ids: list[int]) -> list[Conversation]:
+        if not ids:
+            return []
+        rows = self._rows(
+            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            f" FROM conversations WHERE id IN ({','.join('?' * len(ids))})", tuple(ids))
+        return [Conversation(*r) for r in rows]
+
     def find(self, name: str) -> Conversation | None:
         try:
             return self.get(name)
@@ -178,6 +239,9 @@ class Store:
         try:
             self._write(f"UPDATE conversations SET {sets}, updated = ? WHERE id = ?",
                         (*fields.values(), time.time(), conv.id))
+            if "system" in fields:
+                with self._tx():
+                    rechain(self.db, conv.id)
         except sqlite3.IntegrityError:
             raise BadInput(f"a conversation named {fields.get('name')!r} already exists") from None
         return self.get(fields.get("name", conv.name))
@@ -188,7 +252,10 @@ class Store:
         self._write("DELETE FROM conversations WHERE id = ?", (conv.id,))
 
     def unique_name(self, base: str = "chat") -> str:
-        names = {c.name for c in self.list()}
+        """``base-N`` with the lowest N no conversation has (one indexed range query)."""
+        names = {r[0] for r in self._rows(
+            "SELECT name FROM conversations WHERE name >= ? AND name < ?",
+            (f"{base}-", f"{base}."))}  # ("." follows "-"): the names that start "base-"
         i = 1
         while f"{base}-{i}" in names:
             i += 1
@@ -207,12 +274,19 @@ class Store:
         now = time.time()
         try:
             with self._tx():
-                seq = self.db.execute(
-                    "SELECT COALESCE(MAX(seq), 0) + 1 FROM messages WHERE conversation_id = ?",
-                    (conv.id,)).fetchone()[0]
+                seq, last = self.db.execute(
+                    "SELECT COALESCE(MAX(seq), 0) + 1, (SELECT chain FROM messages WHERE"
+                    " conversation_id = ?1 ORDER BY seq DESC LIMIT 1) FROM messages"
+                    " WHERE conversation_id = ?1", (conv.id,)).fetchone()
+                if last is None:
+                    system = self.db.execute("SELECT system FROM conversations WHERE id = ?",
+                                             (conv.id,)).fetchone()
+                    last = chain_seed(system[0] if system else None)
                 cur = self.db.execute(
-                    "INSERT INTO messages (conversation_id, seq, role, content, partial, created)"
-                    " VALUES (?, ?, ?, ?, ?, ?)", (conv.id, seq, role, content, int(partial), now))
+                    "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
+                    " chain) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (conv.id, seq, role, content, int(partial), now,
+                     message_chain(last, role, content)))
                 self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?",
                                 (now, conv.id))
         except sqlite3.Error as err:
@@ -239,6 +313,7 @@ class Store:
                 " VALUES (?, ?, ?, ?, ?, ?)",
                 [(conv.id, m.seq, m.role, m.content, int(m.partial), m.created)
                  for m in messages])
+            rechain(self.db, conv.id)
 
     # -- plumbing --------------------------------------------------------------------------
 
@@ -340,6 +415,16 @@ def check_schema(db: sqlite3.Connection, path: Path) -> None:
                                "localchat starts a new one")
 
 
+def rechain(db: sqlite3.Connection, conv_id: int) -> None:
+    """Compute every message chain of a conversation (a new system prompt, a migration)."""
+    row = db.execute("SELECT system FROM conversations WHERE id = ?", (conv_id,)).fetchone()
+    rows = db.execute("SELECT id, role, content FROM messages WHERE conversation_id = ?"
+                      " ORDER BY seq", (conv_id,)).fetchall()
+    hashes = chains(row[0] if row else None, [(r[1], r[2]) for r in rows])
+    db.executemany("UPDATE messages SET chain = ? WHERE id = ?",
+                   [(h, r[0]) for h, r in zip(hashes, rows)])
+
+
 def migrate(db: sqlite3.Connection) -> int:
     """Bring the schema to the newest version; return that version.
 
@@ -355,6 +440,9 @@ def migrate(db: sqlite3.Connection) -> int:
             for statement in MIGRATIONS[i].split(";"):
                 if statement.strip():
                     db.execute(statement)
+            if i + 1 == CHAINED:
+                for (conv_id,) in db.execute("SELECT id FROM conversations").fetchall():
+                    rechain(db, conv_id)
             db.execute(f"PRAGMA user_version = {i + 1}")
         db.execute("COMMIT")
     except BaseException:

@@ -71,7 +71,7 @@ LAYERS = {
                           "localchat.cluster.control", "localchat.cluster.split"],
     "engine": ["localchat.engine"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
-                "localchat.drafts", "localchat.generation"],
+                "localchat.drafts", "localchat.generation", "localchat.stateless"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
                    "localchat.batch", "localchat.batchlines", "localchat.parallel",
                    "localchat.tui", "localchat.tui.*", "localchat.server", "localchat.server.*",

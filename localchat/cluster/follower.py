@@ -120,7 +120,8 @@ def _run(session, msg: dict) -> None:
 
         link_cache(session.kv_root, msg["source"], msg["fork"])
         return
-    options = TurnOptions(**msg["options"])
+    given = msg["options"]
+    options = TurnOptions(**{**given, "stop": tuple(given.get("stop") or ())})
     if op == "complete":
         pool = _POOLS.setdefault(msg["pool"], PrefixPool(session.engine.new_cache))
         for _ in session.complete(msg["messages"], pool, options, Cancel()):
@@ -129,7 +130,7 @@ def _run(session, msg: dict) -> None:
     conv = Conversation(**msg["conversation"])
     session.store.mirror(conv, [Message(0, seq, role, content, partial, 0.0)
                                 for seq, role, content, partial in msg["messages"]])
-    for _ in session.follow(conv, msg["prompt"], options, Cancel(), msg["cut"]):
+    for _ in session.follow(conv, msg["new"], options, Cancel(), msg["cut"]):
         pass
 
 

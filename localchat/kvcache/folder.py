@@ -62,6 +62,7 @@ from .format import (  # noqa: F401 - the format's names are used through this m
     ids_crc,
     read_safetensors,
 )
+from .index import PrefixIndex, index_of
 from .kinds import Captured
 
 # Checkpoints kept per conversation: the end of the previous reply (edit-last resumes
@@ -74,6 +75,11 @@ class CacheFolder:
 
     def __init__(self, folder: Path):
         self.folder = folder
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The prefix index of the folders beside this one (kept in step with every write)."""
+        return index_of(self.folder.parent)
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -312,6 +318,7 @@ class CacheFolder:
         man = Manifest(layout, list(tokens), keep, kept_ckpts)
         text = man.to_json().encode()
         atomic_write(self.folder / MANIFEST, text)
+        self.index.put(self.folder.name, layout, man.tokens)
         written += len(text)
         self.remove_strays({s.file for s in keep} | {c.file for c in kept_ckpts})
         return written
@@ -340,6 +347,7 @@ class CacheFolder:
             written += _link(src.folder / c.file, self.folder / c.file)
         text = Manifest(man.layout, man.tokens[:upto], segments, ckpts).to_json().encode()
         atomic_write(self.folder / MANIFEST, text)
+        self.index.put(self.folder.name, man.layout, man.tokens[:upto])
         return written + len(text)
 
     def clear(self) -> None:
@@ -350,7 +358,15 @@ class CacheFolder:
             (self.folder / MANIFEST).unlink()
         except FileNotFoundError:
             pass
+        self.index.drop(self.folder.name)
         self.remove_strays(set())
+
+    def remove(self) -> None:
+        """Delete the folder and everything in it (a deleted conversation)."""
+        import shutil
+
+        self.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def _write_segment(self, layout: Layout, cache: list, tokens: list[int], start: int,
                        end: int, taken: set[str], encode=None) -> Segment:

@@ -12,11 +12,11 @@ donor). What it is not: the prefix pool of ``batch`` (``prefixes.py``), the disk
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from ..store import Conversation
 from .folder import CacheFolder, CacheInvalid, Layout, Manifest, common_prefix
+from .index import BLOCK, index_of
 
 MIN_SHARED = 32  # shorter prefixes shared with another conversation are not worth linking
 
@@ -45,20 +45,22 @@ class Sharing:
         """The stored cache (of any conversation, same model and settings) that gives the
         longest prefix of ``tokens``: (its store, manifest, usable length), or None.
 
-        Growing layers can give any prefix; bounded ones only up to a checkpoint.
+        Growing layers can give any prefix; bounded ones only up to a checkpoint. The
+        candidates come from the prefix index (``index.py``: one query, whatever the number
+        of caches); the shared length is then counted token by token from each candidate's
+        checked manifest, deepest first, until no later one can do better.
         """
         best = None
-        if not self.kv_root.is_dir():
-            return None
-        for folder in self.kv_root.iterdir():
-            if folder.name == exclude or not folder.is_dir():
-                continue
-            kv = CacheFolder(folder)
+        for name, hinted in index_of(self.kv_root).lookup(layout, tokens, exclude):
+            if best is not None and best[2] >= hinted + BLOCK - 1:
+                break  # (ranked by whole blocks shared: no later candidate shares more)
+            kv = CacheFolder(self.kv_root / name)
             try:
                 man = kv.checked_manifest(layout)
             except (CacheInvalid, OSError):
-                continue
+                man = None
             if man is None:
+                kv.index.drop(name)  # gone or changed since it was indexed
                 continue
             k = min(common_prefix(man.tokens, tokens), len(tokens) - 1)
             if layout.has_bounded:
@@ -108,5 +110,5 @@ def link_cache(kv_root: Path, src_id: int, dst_id: int) -> int:
             return 0
         return CacheFolder(kv_root / str(dst_id)).adopt(src, man, len(man.tokens))
     except (CacheInvalid, OSError):
-        shutil.rmtree(kv_root / str(dst_id), ignore_errors=True)
+        CacheFolder(kv_root / str(dst_id)).remove()
         return 0

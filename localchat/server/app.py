@@ -1,0 +1,347 @@
+"""The ASGI application of ``localchat serve``: routes, keys, limits, errors, one log line each.
+
+Routes: ``POST /v1/chat/completions`` (OpenAI), ``POST /v1/messages`` and
+``POST /v1/messages/count_tokens`` (Anthropic), ``GET /v1/models``, ``GET /health``. Every
+answer that is not a reply is the API's own error shape with its status (400 malformed or
+wrong types, 401 key, 404 model or route, 413 body too large, 429 queue full, 400
+``context_length_exceeded``); a bug answers 500 in that shape, its traceback in a crash log.
+With a key (``--api-key``), every route but ``/health`` wants it as ``Authorization: Bearer``
+or ``x-api-key``.
+
+Each request becomes a turn of a stored conversation (``stateless.place``), run on the model
+thread (``worker.py``); streaming answers are server-sent events. A client that disconnects
+mid-stream gets its generation stopped at the next token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import sys
+import time
+import uuid
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .. import crashlog, stateless
+from ..errors import BadInput, ContextFull, LocalchatError
+from ..events import ReplyChunk, TurnFinished
+from ..session import TurnOptions
+from . import anthropic_api, openai_api
+from .chat import MAX_BODY, ApiError, ChatRequest, bad
+from .worker import DONE, Job, QueueFull, Worker
+
+
+class Service:
+    """What the routes share: the worker (and its session), the names the model answers
+    to, the key, and where the log lines go."""
+
+    def __init__(self, worker: Worker, api_key: str | None = None, log=None):
+        self.worker = worker
+        self.api_key = api_key
+        info = worker.session.engine.info()
+        self.model = info.name
+        short = self.model.rstrip("/").rsplit("/", 1)[-1]
+        self.names = {self.model, short, "localchat", "default"}
+        self.context_length = info.context_length
+        self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    def check_model(self, name: str) -> None:
+        if name not in self.names:
+            raise ApiError(404, "not_found", f"model {name!r} is not served here (this server "
+                           f"has {self.model!r}; GET /v1/models)", param="model")
+
+
+def make_app(service: Service) -> Starlette:
+    async def chat_completions(request: Request) -> Response:
+        return await _chat(service, request, "openai")
+
+    async def messages(request: Request) -> Response:
+        return await _chat(service, request, "anthropic")
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            _authorize(service, request)
+            req = anthropic_api.parse(await _json(request), counting=True)
+            service.check_model(req.model)
+            # On the model thread (the session's): aligned as the turn would render it.
+            n = await run_in_threadpool(service.worker.call, stateless.count, req.messages)
+            return JSONResponse({"input_tokens": n})
+        except ApiError as err:
+            return _error(err, "anthropic")
+        except LocalchatError as err:  # the template refuses the messages
+            return _error(bad(str(err)), "anthropic")
+
+    async def models(request: Request) -> Response:
+        try:
+            _authorize(service, request)
+        except ApiError as err:
+            return _error(err, "openai")
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model, "object": "model", "created": 0, "owned_by": "localchat",
+             "context_length": service.context_length}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": service.model,
+                             "waiting": service.worker.waiting})
+
+    async def not_found(request: Request, exc) -> Response:
+        api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+        status = getattr(exc, "status_code", 404)
+        kind = "not_found" if status == 404 else "invalid_request"
+        return _error(ApiError(status, kind, f"{request.method} {request.url.path}: "
+                               f"{'no such route' if status == 404 else 'not allowed'}"), api)
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", guarded(chat_completions), methods=["POST"]),
+        Route("/v1/messages", guarded(messages), methods=["POST"]),
+        Route("/v1/messages/count_tokens", guarded(count_tokens), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+    ], exception_handlers={404: not_found, 405: not_found})
+
+
+def guarded(route):
+    """``route``, answering a bug with 500 in the API's error shape and its traceback in a
+    crash log (Starlette's own last resort would print the traceback as well)."""
+    async def run(request: Request) -> Response:
+        try:
+            return await route(request)
+        except Exception as err:  # noqa: BLE001 - a bug: one answer, one log file
+            log = crashlog.write(err, "localchat serve")
+            api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
+            return _error(ApiError(500, "server", "internal error; the server's log has "
+                                   f"the details ({log})"), api)
+
+    return run
+
+
+# -- a chat request ------------------------------------------------------------------------
+
+
+async def _chat(service: Service, request: Request, api: str) -> Response:
+    t0 = time.perf_counter()
+    spec = openai_api if api == "openai" else anthropic_api
+    try:
+        _authorize(service, request)
+        req = spec.parse(await _json(request))
+        service.check_model(req.model)
+    except ApiError as err:
+        service.log(f"localchat serve: {api} {err.status} {err.message}")
+        return _error(err, api)
+    loop = asyncio.get_running_loop()
+    job, events = Job.for_loop(lambda session, emit: _turn(session, emit, req, job.cancel),
+                               loop)
+    try:
+        service.worker.submit(job)
+    except QueueFull as err:
+        return _error(ApiError(429, "rate_limit", f"the server is busy ({err}); try again"),
+                      api)
+    rid = ("chatcmpl-" if api == "openai" else "msg_") + uuid.uuid4().hex[:24]
+    if req.stream:
+        stream = _openai_stream if api == "openai" else _anthropic_stream
+        return StreamingResponse(
+            _watched(service, job, stream(service, req, rid, events), request, req, t0),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    watch = asyncio.create_task(_disconnect(request, job))
+    try:
+        reply, finished = await _collect(events)
+    except ApiError as err:
+        return _error(err, api)
+    finally:
+        watch.cancel()
+    _log(service, req, finished, t0)
+    if api == "openai":
+        return JSONResponse(openai_api.completion(rid, int(time.time()), service.model, reply,
+                                                  finished.usage, _finish(finished)))
+    return JSONResponse(anthropic_api.message(
+        rid, service.model, reply, finished.usage, finished.usage.bytes_written > 0,
+        _finish(finished), finished.stop_sequence))
+
+
+def _turn(session, emit, req: ChatRequest, cancel) -> None:
+    """On the model thread: place the request in a conversation and answer it."""
+    room = session.engine.info().context_length
+    options = TurnOptions(max_tokens=req.max_tokens or room, temp=req.temperature,
+                          seed=req.seed, top_p=req.top_p, stop=req.stop)
+    conv, new, made = stateless.place(session, req.messages, req.api)
+    try:
+        for ev in session.answer(conv, new, options, cancel):
+            if isinstance(ev, (ReplyChunk, TurnFinished)):
+                emit(ev)
+    except (ContextFull, BadInput):
+        if made:  # refused before anything was added: leave no trace of the request
+            session.delete(conv)
+        raise
+
+
+async def _collect(events: asyncio.Queue) -> tuple[str, TurnFinished]:
+    """The whole reply of a job (non-streaming answers)."""
+    finished = None
+    while (ev := await events.get()) is not DONE:
+        if isinstance(ev, BaseException):
+            raise _api_error(ev)
+        if isinstance(ev, TurnFinished):
+            finished = ev
+    if finished is None:
+        raise ApiError(500, "server", "the reply was stopped before it started")
+    return finished.reply, finished
+
+
+def _finish(finished: TurnFinished) -> str:
+    return "length" if finished.finish == "length" else (
+        "stop_sequence" if finished.finish == "stop_sequence" else "stop")
+
+
+async def _openai_stream(service: Service, req: ChatRequest, rid: str, events: asyncio.Queue):
+    created = int(time.time())
+    first = True
+    while (ev := await events.get()) is not DONE:
+        if isinstance(ev, BaseException):
+            yield _sse(None, openai_api.error(_api_error(ev)))
+            return
+        if isinstance(ev, ReplyChunk):
+            delta = {"content": ev.text} | ({"role": "assistant"} if first else {})
+            first = False
+            yield _sse(None, openai_api.chunk(rid, created, service.model, delta))
+        elif isinstance(ev, TurnFinished):
+            if first:
+                yield _sse(None, openai_api.chunk(rid, created, service.model,
+                                                  {"role": "assistant", "content": ""}))
+            finish = "length" if ev.finish == "length" else "stop"
+            yield _sse(None, openai_api.chunk(rid, created, service.model, {}, finish))
+            if req.include_usage:
+                yield _sse(None, openai_api.chunk(rid, created, service.model, {}, u=ev.usage))
+            yield b"data: [DONE]\n\n"
+            yield ev  # for the log line (not sent)
+
+
+async def _anthropic_stream(service: Service, req: ChatRequest, rid: str,
+                            events: asyncio.Queue):
+    yield _sse("message_start", anthropic_api.started(rid, service.model))
+    yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                       "content_block": {"type": "text", "text": ""}})
+    yield _sse("ping", {"type": "ping"})
+    while (ev := await events.get()) is not DONE:
+        if isinstance(ev, BaseException):
+            yield _sse("error", anthropic_api.error(_api_error(ev)))
+            return
+        if isinstance(ev, ReplyChunk):
+            yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                               "delta": {"type": "text_delta",
+                                                         "text": ev.text}})
+        elif isinstance(ev, TurnFinished):
+            for name, data in anthropic_api.ended(ev.usage, ev.usage.bytes_written > 0,
+                                                  _finish(ev), ev.stop_sequence):
+                yield _sse(name, data)
+            yield ev
+
+
+async def _watched(service: Service, job: Job, stream, request: Request, req: ChatRequest,
+                   t0: float):
+    """``stream``'s bytes; a client gone (the response is cancelled) stops the turn."""
+    finished = None
+    try:
+        async for item in stream:
+            if isinstance(item, TurnFinished):
+                finished = item
+                continue
+            yield item
+    finally:
+        job.cancel.set()  # (a no-op once the turn has ended)
+        _log(service, req, finished, t0)
+
+
+async def _disconnect(request: Request, job: Job) -> None:
+    """A non-streaming request whose client goes away stops its turn."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    job.cancel.set()
+
+
+# -- plumbing --------------------------------------------------------------------------------
+
+
+def _authorize(service: Service, request: Request) -> None:
+    if service.api_key is None:
+        return
+    given = request.headers.get("x-api-key") or ""
+    auth = request.headers.get("authorization") or ""
+    if auth.lower().startswith("bearer "):
+        given = given or auth[7:].strip()
+    if not given:
+        raise ApiError(401, "authentication", "an API key is required (Authorization: Bearer "
+                       "KEY or x-api-key: KEY)")
+    if not hmac.compare_digest(given.encode(), service.api_key.encode()):
+        raise ApiError(401, "authentication", "invalid API key")
+
+
+async def _json(request: Request) -> object:
+    """The request body as JSON, at most ``MAX_BODY`` bytes."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+        raise ApiError(413, "invalid_request", f"the request body is over {MAX_BODY} bytes")
+    data = bytearray()
+    try:
+        async for part in request.stream():
+            data += part
+            if len(data) > MAX_BODY:
+                raise ApiError(413, "invalid_request",
+                               f"the request body is over {MAX_BODY} bytes")
+    except ClientDisconnect:
+        raise ApiError(400, "invalid_request", "the client went away") from None
+    try:
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as err:
+        raise bad(f"the request body is not valid JSON ({str(err)[:80]})") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _api_error(err: BaseException) -> ApiError:
+    """A failure on the model thread, as an answer."""
+    if isinstance(err, ApiError):
+        return err
+    if isinstance(err, ContextFull):
+        return ApiError(400, "invalid_request", f"prompt is too long: {err}",
+                        param="messages", code="context_length_exceeded")
+    if isinstance(err, BadInput):
+        return bad(str(err))
+    if isinstance(err, LocalchatError):
+        return ApiError(503, "overloaded", str(err))
+    log = crashlog.write(err, "localchat serve")
+    return ApiError(500, "server", f"internal error; details in the server's log ({log})")
+
+
+def _error(err: ApiError, api: str) -> JSONResponse:
+    body = openai_api.error(err) if api == "openai" else anthropic_api.error(err)
+    return JSONResponse(body, status_code=err.status)
+
+
+def _sse(event: str | None, data: dict) -> bytes:
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+def _log(service: Service, req: ChatRequest, finished: TurnFinished | None, t0: float) -> None:
+    if finished is None:
+        service.log(f"localchat serve: {req.api} stopped before the reply ended "
+                    f"({time.perf_counter() - t0:.2f} s)")
+        return
+    u = finished.usage
+    service.log(f"localchat serve: {req.api} {'stream' if req.stream else 'json'} "
+                f"cached {u.cached_tokens} / prefilled {u.prefilled_tokens} · gen "
+                f"{u.completion_tokens} · TTFT {u.ttft_s:.2f}s · decode {u.decode_tps:.1f} "
+                f"tok/s" + (f" · {u.miss_reason}" if u.miss_reason else ""))
+
+
+def new_key() -> str:
+    return secrets.token_urlsafe(24)

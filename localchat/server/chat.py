@@ -1,0 +1,139 @@
+"""What both APIs' chat requests become, what can go wrong with one, and the checks they share.
+
+``ChatRequest`` is a request checked field by field (by ``openai_api.parse`` or
+``anthropic_api.parse``); ``ApiError`` is a failure with an HTTP status and a kind that each
+API names its own way. Limits keep one request from taking the server: ``MAX_BODY`` bytes,
+``MAX_MESSAGES`` messages. Nothing in a request names a file.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_BODY = 8 * 2**20  # bytes of one request body
+MAX_MESSAGES = 4096
+MAX_STOPS = 4
+
+
+class ApiError(Exception):
+    """A request that gets an error answer. ``kind``: invalid_request, authentication,
+    not_found, rate_limit, overloaded, server; ``code``: the API's machine-readable code where
+    it has one (``context_length_exceeded``)."""
+
+    def __init__(self, status: int, kind: str, message: str, *, param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param, self.code = (
+            status, kind, message, param, code)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request", message, param=param)
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat request either API sent, checked: ``messages`` are ``{role, content}`` with
+    text content, the system prompt first when there is one."""
+
+    api: str  # "openai" or "anthropic"
+    model: str
+    messages: list[dict]
+    max_tokens: int | None  # None: as many as the context holds
+    temperature: float
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False  # OpenAI's stream_options.include_usage
+    extra: dict = field(default_factory=dict)  # fields accepted and not used
+
+
+# -- field checks (each raises ApiError 400 naming the field) -----------------------------
+
+
+def kind_of(value: object) -> str:
+    """A JSON type's name, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def integer(body: dict, key: str, *, low: int, high: int | None = None,
+            default: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not is_int(value) or value < low or (high is not None and value > high):
+        span = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+        raise bad(f"{key} must be {span}, not {_show(value)}", key)
+    return value
+
+
+def number(body: dict, key: str, *, low: float, high: float, default: float,
+           low_open: bool = False) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value > high
+            or (value <= low if low_open else value < low)):
+        raise bad(f"{key} must be a number from {low} to {high}, not {_show(value)}", key)
+    return float(value)
+
+
+def boolean(body: dict, key: str, default: bool = False) -> bool:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"{key} must be true or false, not {kind_of(value)}", key)
+    return value
+
+
+def string(body: dict, key: str, *, required: bool = False) -> str | None:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise bad(f"{key} is required", key)
+        return None
+    if not isinstance(value, str):
+        raise bad(f"{key} must be a string, not {kind_of(value)}", key)
+    return value
+
+
+def stops(value: object, key: str) -> tuple[str, ...]:
+    """A stop string or a list of at most ``MAX_STOPS`` non-empty ones."""
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > MAX_STOPS
+            or not all(isinstance(s, str) and s for s in items)):
+        raise bad(f"{key} must be a string or a list of at most {MAX_STOPS} non-empty strings",
+                  key)
+    return tuple(items)
+
+
+def unknown_keys(body: dict, known: set[str]) -> None:
+    extra = sorted(k for k in body if k not in known)
+    if extra:
+        raise bad(f"unrecognized request argument: {extra[0]}", extra[0])
+
+
+def _show(value: object) -> str:
+    if isinstance(value, (bool, int, float)) and not isinstance(value, bool) or value is None:
+        return repr(value)[:40]
+    return kind_of(value)

@@ -1,0 +1,169 @@
+"""OpenAI's ``POST /v1/chat/completions``: its requests, responses, stream chunks and errors.
+
+Usage maps one to one: ``prompt_tokens`` (the whole rendered conversation),
+``prompt_tokens_details.cached_tokens`` (reused from the persistent cache),
+``completion_tokens``. Content is text (a string, or ``text`` parts); ``system`` and
+``developer`` messages open the conversation.
+"""
+
+from __future__ import annotations
+
+from ..events import Usage
+from .chat import (
+    MAX_MESSAGES,
+    ApiError,
+    ChatRequest,
+    bad,
+    boolean,
+    integer,
+    kind_of,
+    number,
+    stops,
+    string,
+    unknown_keys,
+)
+
+# Accepted; those that would change the reply must hold their neutral value.
+KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+         "seed", "stop", "stream", "stream_options", "n", "user", "metadata", "store",
+         "frequency_penalty", "presence_penalty", "logprobs", "tools", "tool_choice",
+         "parallel_tool_calls", "response_format", "service_tier"}
+ROLES = {"system", "developer", "user", "assistant"}
+
+
+def parse(body: object) -> ChatRequest:
+    """A request body, checked. Raises ApiError (400) naming the first wrong field."""
+    if not isinstance(body, dict):
+        raise bad(f"the request body must be a JSON object, not {kind_of(body)}")
+    unknown_keys(body, KNOWN)
+    model = string(body, "model", required=True)
+    if integer(body, "n", low=1, default=1) != 1:
+        raise bad("n must be 1: one reply per request", "n")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if number(body, key, low=-2.0, high=2.0, default=0.0) != 0.0:
+            raise bad(f"{key} is not supported (only 0)", key)
+    if boolean(body, "logprobs"):
+        raise bad("logprobs are not supported", "logprobs")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise bad("response_format is not supported (only {\"type\": \"text\"})",
+                  "response_format")
+    tools = body.get("tools")
+    if tools not in (None, []):
+        raise bad("tools are not supported by localchat serve yet", "tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise bad("tool_choice is not supported by localchat serve yet", "tool_choice")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise bad(f"stream_options must be an object, not {kind_of(options)}",
+                  "stream_options")
+    include_usage = boolean(options or {}, "include_usage")
+    stream = boolean(body, "stream")
+    if options is not None and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    for key, kind in (("user", str), ("metadata", dict), ("store", bool),
+                      ("parallel_tool_calls", bool), ("service_tier", str)):
+        if body.get(key) is not None and not isinstance(body[key], kind):
+            raise bad(f"{key} has the wrong type ({kind_of(body[key])})", key)
+    max_tokens = integer(body, "max_completion_tokens", low=1)
+    if max_tokens is None:
+        max_tokens = integer(body, "max_tokens", low=1)
+    return ChatRequest(
+        api="openai", model=model, messages=_messages(body.get("messages")),
+        max_tokens=max_tokens,
+        temperature=number(body, "temperature", low=0.0, high=2.0, default=1.0),
+        top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
+        seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
+        stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage)
+
+
+def _messages(value: object) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise bad("messages must be a non-empty array", "messages")
+    if len(value) > MAX_MESSAGES:
+        raise bad(f"messages holds {len(value)} messages; at most {MAX_MESSAGES}", "messages")
+    out: list[dict] = []
+    for i, m in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object, not {kind_of(m)}", where)
+        unknown_keys(m, {"role", "content", "name"})
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            if role == "tool" or role == "function":
+                raise bad(f"{where}: tool messages are not supported by localchat serve yet",
+                          f"{where}.role")
+            raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}",
+                      f"{where}.role")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string", f"{where}.name")
+        text = _text(m.get("content"), f"{where}.content")
+        if role in ("system", "developer"):
+            if any(x["role"] != "system" for x in out):
+                raise bad(f"{where}: a {role} message must come before the conversation",
+                          f"{where}.role")
+            if out:  # several system messages open the conversation: one prompt
+                out[-1] = {"role": "system", "content": out[-1]["content"] + "\n\n" + text}
+                continue
+            role = "system"
+        out.append({"role": role, "content": text})
+    if out[-1]["role"] != "user":
+        raise bad("the last message must be from the user", "messages")
+    return out
+
+
+def _text(content: object, where: str) -> str:
+    """A message's text: a string, or an array of ``{"type": "text", "text": ...}`` parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else kind_of(part)
+                raise bad(f"{where}[{j}]: only text parts are supported, not {kind!r}",
+                          f"{where}[{j}]")
+            if not isinstance(part.get("text"), str):
+                raise bad(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad(f"{where} must be a string or an array of text parts, not {kind_of(content)}",
+              where)
+
+
+# -- answers --------------------------------------------------------------------------------
+
+
+def usage(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def completion(rid: str, created: int, model: str, reply: str, u: Usage, finish: str) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
+                         "finish_reason": finish, "logprobs": None}],
+            "usage": usage(u)}
+
+
+def chunk(rid: str, created: int, model: str, delta: dict, finish: str | None = None,
+          u: Usage | None = None) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                        "logprobs": None}] if u is None else []}
+    if u is not None:
+        out["usage"] = usage(u)
+    return out
+
+
+TYPES = {"invalid_request": "invalid_request_error", "authentication": "invalid_request_error",
+         "not_found": "invalid_request_error", "rate_limit": "rate_limit_error",
+         "overloaded": "server_error", "server": "server_error"}
+CODES = {"authentication": "invalid_api_key", "not_found": "model_not_found",
+         "rate_limit": "rate_limit_exceeded"}
+
+
+def error(err: ApiError) -> dict:
+    return {"error": {"message": err.message, "type": TYPES[err.kind], "param": err.param,
+                      "code": err.code or CODES.get(err.kind)}}
