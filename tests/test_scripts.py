@@ -73,6 +73,12 @@ def _resume(r: dict) -> None:
     assert len(r["results"]) == 2
 
 
+def _serve(r: dict) -> None:
+    assert r["turns"] == 3 and r["stored"] == 50
+    assert r["cached_live"] > 0 and r["cached_restart"] > 0  # turn N hit, restart or not
+    assert r["mlx_lm_turn_live_s"] > 0 and r["serve_stored_s"] > 0
+
+
 def _share(r: dict) -> None:
     assert r["shared_cached_tokens"] > 0 and r["fork_next_turn"]["cached_tokens"] > 0
 
@@ -94,6 +100,10 @@ CASES = {
     "families": Case({"families", "history_tokens"}, _families, model=False),
     "kvquant": Case({"f16_bytes_per_token", "settings"}, _kvquant),
     "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
+    "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",
+                   "turn_restart_s", "mlx_lm_turn_restart_s", "turn1_full_prefill_s",
+                   "cached_live", "cached_restart", "stored", "ask_empty_s", "ask_stored_s",
+                   "serve_empty_s", "serve_stored_s"}, _serve),
     "share": Case({"prompt_tokens", "shared_cached_tokens", "shared_ttft_s", "alone_ttft_s",
                    "fork_bytes_written", "fork_next_turn"}, _share),
 }
