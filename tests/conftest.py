@@ -1,11 +1,19 @@
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Nothing a test does touches the user's own data folder: a scratch one for the whole run
+# (the ``home`` fixture gives each test its own on top).
+_HOME = tempfile.mkdtemp(prefix="localchat-tests-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
+os.environ["LOCALCHAT_HOME"] = _HOME
 
 from localchat.cpu import backend  # noqa: E402
 
