@@ -8,7 +8,7 @@ import json
 import sys
 
 from . import paths
-from .fmt import human_bytes
+from .fmt import human_bytes, visible
 from .models import DEFAULT_MODEL
 
 
@@ -71,11 +71,13 @@ def cmd_show(args) -> int:
     if args.json:
         print(json.dumps(_messages_json(store, conv), ensure_ascii=False))
         return 0
+    # On a terminal, control characters (a reply's ESC) are shown, not obeyed.
+    shown = visible if sys.stdout.isatty() else str
     if conv.system:
-        print(f"[system] {conv.system}\n")
+        print(f"[system] {shown(conv.system)}\n")
     for m in store.messages(conv):
         mark = " (stopped)" if m.partial else ""
-        print(f"[{m.role}]{mark} {m.content}\n")
+        print(f"[{m.role}]{mark} {shown(m.content)}\n")
     return 0
 
 

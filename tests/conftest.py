@@ -73,3 +73,24 @@ def session(store, engine, home):
     from localchat.session import Session
 
     return Session(store, engine, paths.kv_root(), paths.locks_dir())
+
+
+@pytest.fixture
+def quantized_model(tiny_model, tmp_path):
+    """The tiny model with 4-bit weights, as mlx-lm saves quantized models."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    out = tmp_path / "tiny-q4"
+    shutil.copytree(tiny_model, out)
+    model, config = load_model(out)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config["quantization"] = {"group_size": 32, "bits": 4}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -19,22 +19,6 @@ def test_openblas_is_loaded_on_linux():
     assert backend.blas_in_use() and "openblas" in backend.blas_in_use()
 
 
-@pytest.fixture
-def quantized_model(tiny_model, tmp_path):
-    """The tiny model with 4-bit weights, as mlx-lm saves quantized models."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
-    out = tmp_path / "tiny-q4"
-    shutil.copytree(tiny_model, out)
-    model, config = load_model(out)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config["quantization"] = {"group_size": 32, "bits": 4}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
-
-
 @pytest.mark.cpu_only
 def test_cpu_runs_quantized_weights_dequantized_and_caches_them(home, quantized_model):
     from mlx_lm.utils import load_model

@@ -14,6 +14,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -240,65 +241,23 @@ def test_a_crash_in_the_app_gives_the_terminal_back_and_keeps_the_draft(home, ti
                                                                        engine, tmp_path):
     """A real terminal: a bug (F1 here) ends the app with the screen restored, one line
     naming the log, status 1; the unsent message comes back at the next start."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-    import threading
-    import time
+    from ptyapp import PtyApp
 
     script = tmp_path / "crash_app.py"
     script.write_text(APP_CRASH)
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.environ.update(LOCALCHAT_HOME=str(home), TERM="xterm-256color",
-                          LOCALCHAT_DRAFT_PREFILL="0")
-        os.execv(sys.executable, [sys.executable, str(script), "chat", "-c", "c", "-m",
-                                  str(tiny_model)])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))
-    screen = bytearray()
-
-    def read() -> None:
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            screen.extend(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    def wait_for(what: bytes, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while what not in screen and time.monotonic() < end:
-            time.sleep(0.05)
-        assert what in screen, bytes(screen[-2000:])
-
-    status = None
+    app = PtyApp([sys.executable, str(script), "chat", "-c", "c", "-m", str(tiny_model)],
+                 {"LOCALCHAT_HOME": str(home), "LOCALCHAT_DRAFT_PREFILL": "0"})
     try:
-        wait_for(b"ctx ", 60)  # the model is loaded
-        os.write(fd, "not sent yet [/b] 안녕".encode())
+        app.wait_for(b"ctx ", 60)  # the model is loaded
+        app.write("not sent yet [/b] 안녕".encode())
         time.sleep(0.5)
-        os.write(fd, b"\x1bOP")  # F1
-        end = time.monotonic() + 30
-        while status is None and time.monotonic() < end:
-            done, st_ = os.waitpid(pid, os.WNOHANG)
-            status = st_ if done else None
-            time.sleep(0.1)
-        reader.join(5)
+        app.write(b"\x1bOP")  # F1
+        code = app.wait_exit(30)
     finally:
-        if status is None:
-            os.kill(pid, 9)
-    assert status is not None and os.waitstatus_to_exitcode(status) == 1
-    text = bytes(screen)
-    left = text.rfind(b"\x1b[?1049l")
-    assert left > 0, text[-2000:]
-    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text[left:].decode(errors="replace"))
-    lines = [x for x in after.replace("\r", "\n").splitlines() if x.strip()]
-    assert len(lines) == 1 and b"Traceback" not in text, after
+        app.kill()
+    assert code == 1
+    lines = app.lines_after_the_screen()
+    assert len(lines) == 1 and b"Traceback" not in app.screen, lines
     assert lines[0].startswith("localchat: error: unexpected error (RuntimeError: a bug in")
     assert "unsent message will be back" in lines[0]
     log = Path(re.search(r"details in (\S+);", lines[0]).group(1))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from families import build_family
+from test_control_link import drain
 
 HOSTS = "127.0.0.1,127.0.0.1"
 TIMEOUT = 5  # LOCALCHAT_FOLLOWER_TIMEOUT for these tests
@@ -265,18 +266,6 @@ def test_hostfile_starts_remote_followers_through_ssh(models, tmp_path):
     assert calls.read_text().split() == ["mac2.example"]  # rank 1 only, by its ssh name
 
 
-def _drain(sock: socket.socket, got: dict, key: str) -> None:
-    """What a stranger receives until rank 0 closes it (or 30 s pass), and after how long."""
-    sock.settimeout(30)
-    data, t = b"", time.monotonic()
-    try:
-        while chunk := sock.recv(4096):
-            data += chunk
-    except OSError:
-        pass
-    got[key] = (data, time.monotonic() - t)
-
-
 class CommandLines:
     """Every process's command line seen while it runs (polled), and the environment of those
     started with ``marker`` in theirs (rank 0, the stand-in ssh and its shell, the follower)."""
@@ -354,7 +343,7 @@ def test_strangers_on_the_control_port_get_nothing_and_no_command_line_holds_the
                 nonce = json.loads(challenge)["nonce"]
                 s.sendall(json.dumps({"rank": 1, "nonce": nonce, "proof": "0" * 64}).encode()
                           + b"\n")
-            readers.append(threading.Thread(target=_drain, args=(s, got, name), daemon=True))
+            readers.append(threading.Thread(target=drain, args=(s, got, name), daemon=True))
             readers[-1].start()
         time.sleep(0.3)
         go.touch()  # the follower may start now
@@ -442,76 +431,35 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
     """`localchat chat --hosts …` in a real terminal (a pty): a follower killed mid-reply ends
     the app with the terminal given back (alternate screen left) and one line after it, and the
     streamed part of the reply is stored."""
-    import fcntl
-    import pty
-    import struct
-    import termios
-    import threading
+    from ptyapp import PtyApp
 
     home = tmp_path / "home"
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the app in the pty
-        os.environ.update(_env(home), TERM="xterm-256color")
-        os.execv(sys.executable, [sys.executable, "-m", "localchat", "chat", "-c", "c", "-m",
-                                  str(models["llama"]), "--hosts", HOSTS])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    screen = bytearray()
-
-    def read() -> None:
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            screen.extend(chunk)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-
-    def wait_for(what: bytes, seconds: float, must: bool = True) -> bool:
-        end = time.monotonic() + seconds
-        while what not in screen and time.monotonic() < end:
-            time.sleep(0.05)
-        assert what in screen or not must, bytes(screen[-2000:])
-        return what in screen
-
+    app = PtyApp([sys.executable, "-m", "localchat", "chat", "-c", "c", "-m",
+                  str(models["llama"]), "--hosts", HOSTS], _env(home), rows=40, cols=120)
     try:
-        wait_for(b"\x1b[?1049h", 60)  # the app took the screen
-        wait_for(b"ctx ", 60)  # the status bar shows the context once the model is loaded
-        os.write(fd, b"tell me a long story")
+        app.wait_for(b"\x1b[?1049h", 60)  # the app took the screen
+        app.wait_for(b"ctx ", 60)  # the status bar shows the context once the model is loaded
+        app.write(b"tell me a long story")
         for _ in range(15):  # Enter again if it came too early (the text stays in the box)
-            os.write(fd, b"\r")
-            if wait_for(b"thinking", 2.0, must=False):
+            app.write(b"\r")
+            if app.wait_for(b"thinking", 2.0, must=False):
                 break
-        wait_for(b"thinking", 0)
+        app.wait_for(b"thinking", 0)
         time.sleep(0.5)  # the reply is streaming (1,024 tokens at most: a few seconds)
         (follower,) = _followers(home)
         t = time.monotonic()
         os.kill(follower, signal.SIGKILL)
-        end = time.monotonic() + TIMEOUT + 20
-        status = None
-        while status is None and time.monotonic() < end:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            status = status if done else None
-            time.sleep(0.1)
+        code = app.wait_exit(TIMEOUT + 20)
         waited = time.monotonic() - t
-        reader.join(5)
     finally:
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
+        app.kill()
         for p in _followers(home):
             os.kill(p, signal.SIGKILL)
-    assert status is not None and os.waitstatus_to_exitcode(status) == 1
+    assert code == 1
     assert waited < TIMEOUT  # an exit is seen at once; the screen does not hold it up
-    text = bytes(screen)
-    left = text.rfind(b"\x1b[?1049l")  # the alternate screen left: the terminal is back
-    assert left > 0, text[-2000:]
-    after = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", text[left:].decode(errors="replace"))
-    lines = [x for x in after.replace("\r", "\n").splitlines() if x.strip()]
-    assert lines and lines[-1].startswith("localchat: error: rank 1 (127.0.0.1)"), after
-    assert b"Traceback" not in text and b"[ring]" not in text
+    lines = app.lines_after_the_screen()  # the alternate screen left: the terminal is back
+    assert lines and lines[-1].startswith("localchat: error: rank 1 (127.0.0.1)"), lines
+    assert b"Traceback" not in app.screen and b"[ring]" not in app.screen
     assert_partial_reply_kept(home)
 
 

@@ -185,7 +185,7 @@ class Alive:
         pass
 
 
-def _drain(sock: socket.socket, got: dict, key: str) -> None:
+def drain(sock: socket.socket, got: dict, key: str) -> None:
     """What a stranger receives until rank 0 closes it, and when (at most 20 s)."""
     sock.settimeout(20)
     data, t = b"", time.monotonic()
@@ -222,7 +222,7 @@ def test_followers_get_in_past_strangers_that_get_nothing(tmp_path, monkeypatch)
             data = line
         s.sendall(data)
         strangers[name] = s
-        readers.append(threading.Thread(target=_drain, args=(s, got, name), daemon=True))
+        readers.append(threading.Thread(target=drain, args=(s, got, name), daemon=True))
         readers[-1].start()
     time.sleep(0.2)  # the strangers are in first
     t = time.monotonic()

@@ -17,7 +17,6 @@ import os
 import shutil
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
 from tiny import build_tiny_model
 
@@ -175,22 +174,6 @@ def test_every_changed_sidecar_field_refuses_the_derived_file(tmp_path):
     side.write_text(json.dumps(meta))
     with pytest.raises(derived.DerivedDamaged, match="another model"):
         derived.load_checked(path, "source-b")
-
-
-@pytest.fixture
-def quantized_model(tiny_model, tmp_path):
-    """The tiny model with 4-bit weights (as test_backend.py makes it)."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-
-    out = tmp_path / "tiny-q4"
-    shutil.copytree(tiny_model, out)
-    model, config = load_model(out)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config["quantization"] = {"group_size": 32, "bits": 4}
-    (out / "config.json").write_text(json.dumps(config))
-    return out
 
 
 @pytest.mark.parametrize("change", ["a list", "size as a float", "size as a bool"])
