@@ -176,6 +176,7 @@ def test_every_changed_sidecar_field_refuses_the_derived_file(tmp_path):
         derived.load_checked(path, "source-b")
 
 
+@pytest.mark.cpu_only  # (the CPU weights exist on the CPU path only)
 @pytest.mark.parametrize("change", ["a list", "size as a float", "size as a bool"])
 def test_a_changed_sidecar_rebuilds_the_cpu_weights_with_a_notice(home, quantized_model,
                                                                   change):
