@@ -61,7 +61,7 @@ class Conversations:
 
     def history(self, conv: Conversation) -> list[dict]:
         """The stored messages as a chat template takes them, the system prompt first."""
-        history = [{"role": m.role, "content": m.content} for m in self.store.messages(conv)]
+        history = [m.as_chat() for m in self.store.messages(conv)]
         if conv.system and not any(m["role"] == "system" for m in history):
             history.insert(0, {"role": "system", "content": conv.system})
         return history

@@ -194,7 +194,7 @@ class Engine:
     # -- text ------------------------------------------------------------------------------
 
     def render(self, messages: list[dict], prior: list[int] | None = None,
-               generation_prompt: bool = True) -> list[int]:
+               generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
         """Token ids of the whole conversation, chat template applied, ready for a reply.
 
         ``prior``: the token ids this conversation was last fed (the cache's token list).
@@ -202,14 +202,16 @@ class Engine:
         prefix is kept as it is and only the rest is tokenized: a reply whose text would
         re-tokenize differently from the ids that were generated (non-canonical pieces,
         byte-level Korean) keeps its ids, so the next turn does not prefill it again. The
-        ids are the conversation's; ``--no-cache`` uses the same ones.
+        ids are the conversation's; ``--no-cache`` uses the same ones. ``tools``: function
+        tools the template lists for the model (OpenAI's shape).
         """
         from jinja2 import TemplateError
 
         with self._tokenizer_lock:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=generation_prompt, tokenize=False)
+                    messages, add_generation_prompt=generation_prompt, tokenize=False,
+                    **({"tools": tools} if tools else {}))
             except TemplateError as err:  # roles in an order it refuses, say
                 raise BadInput(f"the model's chat template refuses these messages: {err}"
                                ) from None

@@ -124,8 +124,10 @@ class TurnFinished:
     usage: Usage
     stopped: bool  # the reply was cut short by the user; it is saved marked partial
     tokens: tuple[int, ...] = ()  # the generated token ids, EOS included when produced
-    finish: str = "stop"  # stop (the model ended it), length, stop_sequence, cancelled
+    finish: str = "stop"  # stop (the model ended it), length, stop_sequence, cancelled,
+    #                       tool_calls
     stop_sequence: str | None = None  # the stop string that ended it
+    tool_calls: tuple[dict, ...] = ()  # {"type": "function", "function": {name, arguments}}
 
 
 Event = Notice | PrefillProgress | ReplyChunk | TurnFinished

@@ -31,6 +31,7 @@ class TurnOptions:
     no_cache: bool = False  # ignore the stored K/V (full prefill), then store a fresh cache
     top_p: float = 1.0  # nucleus sampling when temp > 0 (1: off)
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
+    tools: tuple[dict, ...] = ()  # function tools the model may call (OpenAI's shape)
 
 
 class Cancel:
@@ -60,7 +61,9 @@ class Run:
     t_last: float | None = None  # when the last token came (decode speed ends there)
     fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
     checkpoints: list[ck.Captured] = field(default_factory=list)
-    finish: str = "stop"  # why it ended: stop (end of text), length, stop_sequence, cancelled
+    finish: str = "stop"  # why it ended: stop (end of text), length, stop_sequence, cancelled,
+    #                       tool_calls
+    tool_calls: list[dict] = field(default_factory=list)  # parsed from the reply (``replies``)
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
 
 

@@ -46,6 +46,7 @@ from .kvcache import quality as kvquality
 from .kvcache.folder import CacheFolder, CacheInvalid
 from .kvcache.prefixes import PrefixPool
 from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
+from .replies import split_tool_calls
 from .store import Conversation, Store
 from .turncache import Prior, Start, TurnCache
 
@@ -256,12 +257,15 @@ class Session:
     def _turn(self, conv, new: list[dict], options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
         history = self.conversations.history(conv) + list(new)
-        if not history or history[-1]["role"] != "user":
+        if not history or history[-1]["role"] not in ("user", "tool"):
             raise BadInput("nothing to answer: the conversation does not end with a user message")
         prior = self.cache.prior(conv, options.no_cache)
-        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens)
+        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens,
+                                                 list(options.tools) or None)
         for m in new:
-            self.store.add_message(conv, m["role"], m["content"])
+            self.store.add_message(conv, m["role"], m["content"],
+                                   extra={k: v for k, v in m.items()
+                                          if k not in ("role", "content")} or None)
         note = prior.note
         if prior.manifest is None and not options.no_cache and not self.engine.info().unknown:
             # Nothing stored for this conversation: start from another one's prefix if any.
@@ -299,6 +303,10 @@ class Session:
                 self.store.add_message(conv, "assistant", run.reply, partial=True)
             raise
         self._running = None
+        if options.tools and not run.stopped:
+            run.reply, run.tool_calls = split_tool_calls(self.engine, run.reply, options.tools)
+            if run.tool_calls:
+                run.finish = "tool_calls"
         written, note = self._persist(conv, tokens + run.generated, start, run,
                                       run.stopped and run.logits_ready)
         if note:
@@ -312,7 +320,7 @@ class Session:
                          cache_bytes=sum(r[0] for r in rows), written=sum(r[1] for r in rows),
                          reason=reason, draft=start.draft)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
-                           run.stop_sequence)
+                           run.stop_sequence, tuple(run.tool_calls))
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
                  partial: bool) -> tuple[int, str]:
@@ -322,8 +330,10 @@ class Session:
         written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
         the previous manifest still describes valid files.
         """
-        if run.reply:  # an empty reply (stopped before any text) is not worth a message
-            self.store.add_message(conv, "assistant", run.reply, partial=partial)
+        if run.reply or run.tool_calls:  # (a reply stopped before any text is not worth one)
+            self.store.add_message(conv, "assistant", run.reply, partial=partial,
+                                   extra={"tool_calls": run.tool_calls} if run.tool_calls
+                                   else None)
         fed = fed_candidates[:run.fed]
         written, note = self.cache.persist(conv, fed, start, run.checkpoints,
                                            self.sharing.shareable_ends(conv, fed))
@@ -384,10 +394,11 @@ class Session:
                            run.stop_sequence)
 
     def render_checked(self, messages: list[dict], max_tokens: int,
-                       prior: list[int] | None = None) -> tuple[list[int], int]:
+                       prior: list[int] | None = None, tools: list[dict] | None = None
+                       ) -> tuple[list[int], int]:
         """Token ids of ``messages`` ready for a reply, and the reply budget that fits."""
         info = self.engine.info()
-        tokens = self.engine.render(messages, prior)
+        tokens = self.engine.render(messages, prior, tools=tools)
         room = info.context_length - len(tokens)
         if room < 1:
             raise ContextFull(

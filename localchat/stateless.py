@@ -43,7 +43,7 @@ def place(session, messages: list[dict], client: str
     store = session.store
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
     rest = messages[1:] if system is not None else list(messages)
-    pairs = [(m["role"], m["content"]) for m in rest]
+    pairs = [_chained(m) for m in rest]
     for conv, shared in store.continued_by(system, pairs, session.model_name):
         stored = store.messages(conv)
         if shared == len(stored) and shared < len(rest):
@@ -57,20 +57,25 @@ def place(session, messages: list[dict], client: str
     return conv, rest, True
 
 
-def count(session, messages: list[dict]) -> int:
+def count(session, messages: list[dict], tools: list[dict] | None = None) -> int:
     """Tokens ``messages`` render to, as the turn that answered them would count them: aligned
     with the stored conversation they continue (its replies keep their generated ids)."""
     system = messages[0]["content"] if messages[0]["role"] == "system" else None
     rest = messages[1:] if system is not None else messages
     prior = None
-    for conv, _ in session.store.continued_by(system, [(m["role"], m["content"]) for m in rest],
+    for conv, _ in session.store.continued_by(system, [_chained(m) for m in rest],
                                               session.model_name)[:1]:
         try:
             man = session.cache_folder(conv).manifest()
         except CacheInvalid:
             man = None
         prior = man.tokens if man else None
-    return len(session.engine.render(messages, prior))
+    return len(session.engine.render(messages, prior, tools=tools))
+
+
+def _chained(m: dict) -> tuple:
+    """What a message's chain is made of (``store.message_chain``)."""
+    return m["role"], m["content"], {k: v for k, v in m.items() if k not in ("role", "content")}
 
 
 def name_for(client: str, messages: list[dict]) -> str:

@@ -15,6 +15,7 @@ same kind of line (``StorageError``).
 from __future__ import annotations
 
 import hashlib
+import json
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -59,6 +60,28 @@ MIGRATIONS = [
     ALTER TABLE messages ADD COLUMN chain BLOB;
     CREATE INDEX messages_chain ON messages (chain);
     """,
+    # Tool calls: a "tool" role (a tool's result) and each message's extra fields as JSON
+    # (an assistant's tool calls, a result's call id). SQLite cannot change a CHECK: the
+    # table is made again and the rows copied.
+    """
+    CREATE TABLE messages_new (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        seq INTEGER NOT NULL,
+        role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant', 'tool')),
+        content TEXT NOT NULL,
+        partial INTEGER NOT NULL DEFAULT 0,
+        created REAL NOT NULL,
+        chain BLOB,
+        extra TEXT,
+        UNIQUE (conversation_id, seq)
+    );
+    INSERT INTO messages_new (id, conversation_id, seq, role, content, partial, created, chain)
+        SELECT id, conversation_id, seq, role, content, partial, created, chain FROM messages;
+    DROP TABLE messages;
+    ALTER TABLE messages_new RENAME TO messages;
+    CREATE INDEX messages_chain ON messages (chain);
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 
@@ -68,19 +91,24 @@ def chain_seed(system: str | None) -> bytes:
     return hashlib.blake2b(b"system\0" + (system or "").strip().encode(), digest_size=16).digest()
 
 
-def message_chain(previous: bytes, role: str, content: str) -> bytes:
+def message_chain(previous: bytes, role: str, content: str, extra: dict | None = None) -> bytes:
     """The hash of a conversation's messages up to this one. Text is compared stripped: a
     client re-sends a reply as it was streamed, which may differ from the stored text in
-    leading or trailing spaces."""
+    leading or trailing spaces. Of the extra fields, what a client re-sends the same way
+    through either API: the tool calls' names and arguments (not their ids)."""
     data = previous + role.encode() + b"\0" + content.strip().encode("utf-8", "surrogatepass")
+    calls = (extra or {}).get("tool_calls")
+    if calls:
+        data += json.dumps([[c["function"]["name"], c["function"]["arguments"]]
+                            for c in calls], sort_keys=True).encode()
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def chains(system: str | None, messages: list[tuple[str, str]]) -> list[bytes]:
-    """The chain of every prefix of ``messages`` ((role, content) pairs), in order."""
+def chains(system: str | None, messages: list[tuple]) -> list[bytes]:
+    """The chain of every prefix of ``messages`` ((role, content[, extra])), in order."""
     out, h = [], chain_seed(system)
-    for role, content in messages:
-        h = message_chain(h, role, content)
+    for m in messages:
+        h = message_chain(h, *m)
         out.append(h)
     return out
 
@@ -106,6 +134,11 @@ class Message:
     content: str
     partial: bool
     created: float
+    extra: dict | None = None  # tool calls of an assistant's reply; a tool result's call id
+
+    def as_chat(self) -> dict:
+        """The message as a chat template takes it."""
+        return {"role": self.role, "content": self.content, **(self.extra or {})}
 
 
 class Store:
@@ -187,12 +220,12 @@ class Store:
         a cheap poll for what other processes did."""
         return self._rows("PRAGMA data_version")[0][0]
 
-    def continued_by(self, system: str | None, messages: list[tuple[str, str]], model: str
+    def continued_by(self, system: str | None, messages: list[tuple], model: str
                      ) -> list[tuple[Conversation, int]]:
         """Conversations of ``model`` whose first messages are the first of ``messages``
-        ((role, content), compared stripped) under the same system prompt: (conversation,
-        how many messages it shares), most shared first, then most recently used. Found
-        through the messages' chains (an index), whatever the number of conversations."""
+        ((role, content[, extra]), text compared stripped) under the same system prompt:
+        (conversation, how many messages it shares), most shared first, then most recently
+        used. Found through the messages' chains (an index), whatever their number."""
         hashes = chains(system, messages)
         if not hashes:
             return []
@@ -265,12 +298,12 @@ class Store:
 
     def messages(self, conv: Conversation) -> list[Message]:
         rows = self._rows(
-            "SELECT id, seq, role, content, partial, created FROM messages"
+            "SELECT id, seq, role, content, partial, created, extra FROM messages"
             " WHERE conversation_id = ? ORDER BY seq", (conv.id,))
-        return [Message(r[0], r[1], r[2], r[3], bool(r[4]), r[5]) for r in rows]
+        return [Message(r[0], r[1], r[2], r[3], bool(r[4]), r[5], _extra(r[6])) for r in rows]
 
     def add_message(self, conv: Conversation, role: str, content: str,
-                    partial: bool = False) -> Message:
+                    partial: bool = False, extra: dict | None = None) -> Message:
         now = time.time()
         try:
             with self._tx():
@@ -284,14 +317,15 @@ class Store:
                     last = chain_seed(system[0] if system else None)
                 cur = self.db.execute(
                     "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
-                    " chain) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    " chain, extra) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (conv.id, seq, role, content, int(partial), now,
-                     message_chain(last, role, content)))
+                     message_chain(last, role, content, extra),
+                     json.dumps(extra, ensure_ascii=False) if extra else None))
                 self.db.execute("UPDATE conversations SET updated = ? WHERE id = ?",
                                 (now, conv.id))
         except sqlite3.Error as err:
             raise StorageError(f"cannot save the message: {err}") from None
-        return Message(cur.lastrowid, seq, role, content, partial, now)
+        return Message(cur.lastrowid, seq, role, content, partial, now, extra)
 
     def delete_messages_from(self, conv: Conversation, seq: int) -> None:
         """Drop message ``seq`` and every later one (edit, regenerate)."""
@@ -309,10 +343,10 @@ class Store:
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
                  conv.tokens, conv.kv_bits, conv.kv_group))
             self.db.executemany(
-                "INSERT INTO messages (conversation_id, seq, role, content, partial, created)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [(conv.id, m.seq, m.role, m.content, int(m.partial), m.created)
-                 for m in messages])
+                "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
+                " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(conv.id, m.seq, m.role, m.content, int(m.partial), m.created,
+                  json.dumps(m.extra) if m.extra else None) for m in messages])
             rechain(self.db, conv.id)
 
     # -- plumbing --------------------------------------------------------------------------
@@ -353,6 +387,18 @@ class _Transaction:
     def __exit__(self, exc_type, exc, tb):
         self.db.execute("ROLLBACK" if exc_type else "COMMIT")
         return False
+
+
+def _extra(text: str | None) -> dict | None:
+    """A message's extra fields as stored (JSON), None when there are none or they are not an
+    object (a damaged row loses its tool calls, not its text)."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def damaged(path: Path | None, err: sqlite3.Error) -> StorageError:
@@ -418,9 +464,10 @@ def check_schema(db: sqlite3.Connection, path: Path) -> None:
 def rechain(db: sqlite3.Connection, conv_id: int) -> None:
     """Compute every message chain of a conversation (a new system prompt, a migration)."""
     row = db.execute("SELECT system FROM conversations WHERE id = ?", (conv_id,)).fetchone()
-    rows = db.execute("SELECT id, role, content FROM messages WHERE conversation_id = ?"
-                      " ORDER BY seq", (conv_id,)).fetchall()
-    hashes = chains(row[0] if row else None, [(r[1], r[2]) for r in rows])
+    extra = "extra" in {r[1] for r in db.execute("PRAGMA table_info(messages)")}
+    rows = db.execute(f"SELECT id, role, content, {'extra' if extra else 'NULL'} FROM messages"
+                      " WHERE conversation_id = ? ORDER BY seq", (conv_id,)).fetchall()
+    hashes = chains(row[0] if row else None, [(r[1], r[2], _extra(r[3])) for r in rows])
     db.executemany("UPDATE messages SET chain = ? WHERE id = ?",
                    [(h, r[0]) for h, r in zip(hashes, rows)])
 

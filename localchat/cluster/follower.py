@@ -121,7 +121,8 @@ def _run(session, msg: dict) -> None:
         link_cache(session.kv_root, msg["source"], msg["fork"])
         return
     given = msg["options"]
-    options = TurnOptions(**{**given, "stop": tuple(given.get("stop") or ())})
+    options = TurnOptions(**{**given, "stop": tuple(given.get("stop") or ()),
+                             "tools": tuple(given.get("tools") or ())})
     if op == "complete":
         pool = _POOLS.setdefault(msg["pool"], PrefixPool(session.engine.new_cache))
         for _ in session.complete(msg["messages"], pool, options, Cancel()):

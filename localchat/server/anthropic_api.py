@@ -11,6 +11,9 @@ model whose cache localchat cannot keep, or a cache that could not be written).
 
 from __future__ import annotations
 
+import json
+import uuid
+
 from ..events import Usage
 from .chat import (
     MAX_MESSAGES,
@@ -18,11 +21,13 @@ from .chat import (
     ChatRequest,
     bad,
     boolean,
+    function_tool,
     integer,
     kind_of,
     number,
     stops,
     string,
+    tool_call,
     unknown_keys,
 )
 
@@ -42,8 +47,14 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         raise bad(f"the request body must be a JSON object, not {kind_of(body)}")
     unknown_keys(body, COUNT_KNOWN if counting else KNOWN)
     model = string(body, "model", required=True)
-    if body.get("tools") not in (None, []):
-        raise bad("tools are not supported by localchat serve yet", "tools")
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice is not None and (not isinstance(choice, dict)
+                               or choice.get("type") not in ("auto", "none")):
+        raise bad("tool_choice must be {\"type\": \"auto\"} or {\"type\": \"none\"} (the "
+                  "model decides)", "tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "none":
+        tools = ()
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict)
                                      and thinking.get("type") == "disabled"):
@@ -64,7 +75,24 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         temperature=number(body, "temperature", low=0.0, high=1.0, default=1.0),
         top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        stream=boolean(body, "stream"))
+        stream=boolean(body, "stream"), tools=tools)
+
+
+def _tools(value: object) -> tuple[dict, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"tools: must be an array, not {kind_of(value)}", "tools")
+    out = []
+    for i, t in enumerate(value):
+        if not isinstance(t, dict):
+            raise bad(f"tools.{i}: must be an object", f"tools.{i}")
+        if t.get("type") not in (None, "custom"):
+            raise bad(f"tools.{i}: only client tools (name, description, input_schema) are "
+                      "supported", f"tools.{i}")
+        out.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"),
+                                 f"tools.{i}"))
+    return tuple(out)
 
 
 def _system(value: object) -> str:
@@ -86,10 +114,41 @@ def _messages(value: object) -> list[dict]:
         unknown_keys(m, {"role", "content"})
         if m.get("role") not in ("user", "assistant"):
             raise bad(f"{where}.role: must be \"user\" or \"assistant\"", f"{where}.role")
-        out.append({"role": m["role"], "content": _text(m.get("content"), f"{where}.content")})
-    if out[-1]["role"] != "user":
+        out += _message(m["role"], m.get("content"), f"{where}.content")
+    if out[-1]["role"] not in ("user", "tool"):
         raise bad("the last message must be from the user (localchat does not continue a "
                   "prefilled assistant message)", "messages")
+    return out
+
+
+def _message(role: str, content: object, where: str) -> list[dict]:
+    """One API message as chat messages: an assistant's ``tool_use`` blocks become its tool
+    calls; a user's ``tool_result`` blocks become ``tool`` messages, before its text."""
+    if not isinstance(content, list):
+        return [{"role": role, "content": _text(content, where)}]
+    texts, calls, results = [], [], []
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "tool_use" and role == "assistant":
+            unknown_keys(block, {"type", "id", "name", "input", "cache_control"})
+            calls.append(tool_call(block.get("name"), block.get("input", {}), at))
+        elif kind == "tool_result" and role == "user":
+            unknown_keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"})
+            if not isinstance(block.get("tool_use_id"), str):
+                raise bad(f"{at}.tool_use_id: must be a string", f"{at}.tool_use_id")
+            result = block.get("content", "")
+            results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": result if isinstance(result, str)
+                            else _text(result, f"{at}.content")})
+        else:
+            texts.append(block)
+    out = list(results)
+    if calls:
+        text = _text(texts, where) if texts else ""
+        out.append({"role": "assistant", "content": text, "tool_calls": calls})
+    elif texts or not results:
+        out.append({"role": role, "content": _text(texts, where)})
     return out
 
 
@@ -128,13 +187,22 @@ def usage(u: Usage, kept: bool) -> dict:
             "cache_read_input_tokens": u.cached_tokens}
 
 
-STOPS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence"}
+STOPS = {"stop": "end_turn", "length": "max_tokens", "stop_sequence": "stop_sequence",
+         "tool_calls": "tool_use"}
+
+
+def tool_uses(tool_calls) -> list[dict]:
+    """Tool calls as Anthropic's ``tool_use`` blocks, ids made here."""
+    return [{"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}",
+             "name": c["function"]["name"], "input": c["function"]["arguments"]}
+            for c in tool_calls]
 
 
 def message(mid: str, model: str, reply: str, u: Usage, kept: bool, finish: str,
-            stop: str | None) -> dict:
+            stop: str | None, tool_calls=()) -> dict:
+    blocks = ([{"type": "text", "text": reply}] if reply or not tool_calls else [])
     return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": [{"type": "text", "text": reply}],
+            "content": blocks + tool_uses(tool_calls),
             "stop_reason": STOPS[finish], "stop_sequence": stop, "usage": usage(u, kept)}
 
 
@@ -145,13 +213,24 @@ def started(mid: str, model: str) -> dict:
         "usage": {"input_tokens": 0, "output_tokens": 0}}}
 
 
-def ended(u: Usage, kept: bool, finish: str, stop: str | None) -> list[tuple[str, dict]]:
-    """The events after the last text delta."""
-    return [("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            ("message_delta", {"type": "message_delta",
-                               "delta": {"stop_reason": STOPS[finish], "stop_sequence": stop},
-                               "usage": usage(u, kept)}),
-            ("message_stop", {"type": "message_stop"})]
+def ended(u: Usage, kept: bool, finish: str, stop: str | None, tool_calls=()
+          ) -> list[tuple[str, dict]]:
+    """The events after the last text delta: the text block's end, each tool call as a
+    block of its own (its input in one ``input_json_delta``), the message's end."""
+    events = [("content_block_stop", {"type": "content_block_stop", "index": 0})]
+    for i, block in enumerate(tool_uses(tool_calls), start=1):
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": i,
+                                     "content_block": {**block, "input": {}}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta",
+                "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": i})]
+    return events + [
+        ("message_delta", {"type": "message_delta",
+                           "delta": {"stop_reason": STOPS[finish], "stop_sequence": stop},
+                           "usage": usage(u, kept)}),
+        ("message_stop", {"type": "message_stop"})]
 
 
 TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from .. import crashlog, stateless
 from ..errors import BadInput, ContextFull, LocalchatError
 from ..events import ReplyChunk, TurnFinished
+from ..replies import ToolHold, tool_markers
 from ..session import TurnOptions
 from . import anthropic_api, openai_api
 from .chat import MAX_BODY, ApiError, ChatRequest, bad
@@ -71,7 +72,8 @@ def make_app(service: Service) -> Starlette:
             req = anthropic_api.parse(await _json(request), counting=True)
             service.check_model(req.model)
             # On the model thread (the session's): aligned as the turn would render it.
-            n = await run_in_threadpool(service.worker.call, stateless.count, req.messages)
+            n = await run_in_threadpool(service.worker.call, stateless.count, req.messages,
+                                        list(req.tools) or None)
             return JSONResponse({"input_tokens": n})
         except ApiError as err:
             return _error(err, "anthropic")
@@ -159,17 +161,21 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
     _log(service, req, finished, t0)
     if api == "openai":
         return JSONResponse(openai_api.completion(rid, int(time.time()), service.model, reply,
-                                                  finished.usage, _finish(finished)))
+                                                  finished.usage, _finish(finished),
+                                                  finished.tool_calls))
     return JSONResponse(anthropic_api.message(
         rid, service.model, reply, finished.usage, finished.usage.bytes_written > 0,
-        _finish(finished), finished.stop_sequence))
+        _finish(finished), finished.stop_sequence, finished.tool_calls))
 
 
 def _turn(session, emit, req: ChatRequest, cancel) -> None:
     """On the model thread: place the request in a conversation and answer it."""
     room = session.engine.info().context_length
+    if req.tools and tool_markers(session.engine) is None:
+        raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
+                  "request without tools", "tools")
     options = TurnOptions(max_tokens=req.max_tokens or room, temp=req.temperature,
-                          seed=req.seed, top_p=req.top_p, stop=req.stop)
+                          seed=req.seed, top_p=req.top_p, stop=req.stop, tools=req.tools)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
         for ev in session.answer(conv, new, options, cancel):
@@ -195,26 +201,34 @@ async def _collect(events: asyncio.Queue) -> tuple[str, TurnFinished]:
 
 
 def _finish(finished: TurnFinished) -> str:
-    return "length" if finished.finish == "length" else (
-        "stop_sequence" if finished.finish == "stop_sequence" else "stop")
+    """stop, length, stop_sequence or tool_calls (a reply cut by the client counts as stop)."""
+    return finished.finish if finished.finish in ("length", "stop_sequence", "tool_calls") \
+        else "stop"
 
 
 async def _openai_stream(service: Service, req: ChatRequest, rid: str, events: asyncio.Queue):
     created = int(time.time())
     first = True
+    hold = _hold(service, req)
     while (ev := await events.get()) is not DONE:
         if isinstance(ev, BaseException):
             yield _sse(None, openai_api.error(_api_error(ev)))
             return
-        if isinstance(ev, ReplyChunk):
-            delta = {"content": ev.text} | ({"role": "assistant"} if first else {})
+        text = hold.add(ev.text) if isinstance(ev, ReplyChunk) else \
+            hold.end() if isinstance(ev, TurnFinished) and not ev.tool_calls else ""
+        if text:
+            delta = {"content": text} | ({"role": "assistant"} if first else {})
             first = False
             yield _sse(None, openai_api.chunk(rid, created, service.model, delta))
-        elif isinstance(ev, TurnFinished):
+        if isinstance(ev, TurnFinished):
             if first:
                 yield _sse(None, openai_api.chunk(rid, created, service.model,
                                                   {"role": "assistant", "content": ""}))
-            finish = "length" if ev.finish == "length" else "stop"
+            if ev.tool_calls:
+                yield _sse(None, openai_api.chunk(rid, created, service.model, {
+                    "tool_calls": openai_api.calls(ev.tool_calls, streaming=True)}))
+            finish = _finish(ev)
+            finish = finish if finish in ("length", "tool_calls") else "stop"
             yield _sse(None, openai_api.chunk(rid, created, service.model, {}, finish))
             if req.include_usage:
                 yield _sse(None, openai_api.chunk(rid, created, service.model, {}, u=ev.usage))
@@ -228,19 +242,29 @@ async def _anthropic_stream(service: Service, req: ChatRequest, rid: str,
     yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
                                        "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {"type": "ping"})
+    hold = _hold(service, req)
     while (ev := await events.get()) is not DONE:
         if isinstance(ev, BaseException):
             yield _sse("error", anthropic_api.error(_api_error(ev)))
             return
-        if isinstance(ev, ReplyChunk):
+        text = hold.add(ev.text) if isinstance(ev, ReplyChunk) else \
+            hold.end() if isinstance(ev, TurnFinished) and not ev.tool_calls else ""
+        if text:
             yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                               "delta": {"type": "text_delta",
-                                                         "text": ev.text}})
-        elif isinstance(ev, TurnFinished):
+                                               "delta": {"type": "text_delta", "text": text}})
+        if isinstance(ev, TurnFinished):
             for name, data in anthropic_api.ended(ev.usage, ev.usage.bytes_written > 0,
-                                                  _finish(ev), ev.stop_sequence):
+                                                  _finish(ev), ev.stop_sequence,
+                                                  ev.tool_calls):
                 yield _sse(name, data)
             yield ev
+
+
+def _hold(service: Service, req: ChatRequest) -> ToolHold:
+    """The streamed text's filter: with tools offered, a call's markup is never streamed (it
+    comes as the API's tool calls at the end)."""
+    markers = tool_markers(service.worker.session.engine) if req.tools else None
+    return ToolHold(markers[0] if markers else None)
 
 
 async def _watched(service: Service, job: Job, stream, request: Request, req: ChatRequest,

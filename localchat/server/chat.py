@@ -8,8 +8,9 @@ API names its own way. Limits keep one request from taking the server: ``MAX_BOD
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_BODY = 8 * 2**20  # bytes of one request body
 MAX_MESSAGES = 4096
@@ -47,7 +48,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
-    extra: dict = field(default_factory=dict)  # fields accepted and not used
+    tools: tuple[dict, ...] = ()  # function tools, in OpenAI's shape (what templates take)
 
 
 # -- field checks (each raises ApiError 400 naming the field) -----------------------------
@@ -125,6 +126,31 @@ def stops(value: object, key: str) -> tuple[str, ...]:
         raise bad(f"{key} must be a string or a list of at most {MAX_STOPS} non-empty strings",
                   key)
     return tuple(items)
+
+
+def function_tool(name: object, description: object, parameters: object, where: str) -> dict:
+    """A function tool as chat templates take it (OpenAI's shape), checked."""
+    if not isinstance(name, str) or not name.strip():
+        raise bad(f"{where}: a tool needs a name (a string)", where)
+    if description is not None and not isinstance(description, str):
+        raise bad(f"{where}: description must be a string", where)
+    if parameters is not None and not isinstance(parameters, dict):
+        raise bad(f"{where}: the parameters' schema must be an object", where)
+    return {"type": "function", "function": {
+        "name": name, **({"description": description} if description else {}),
+        "parameters": parameters or {"type": "object", "properties": {}}}}
+
+
+def tool_call(name: object, arguments: object, where: str) -> dict:
+    """An assistant's tool call as stored and rendered: the arguments an object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise bad(f"{where}: the arguments are not valid JSON", where) from None
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise bad(f"{where}: a tool call needs a name and an arguments object", where)
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def unknown_keys(body: dict, known: set[str]) -> None:

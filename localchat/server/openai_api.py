@@ -8,6 +8,9 @@ Usage maps one to one: ``prompt_tokens`` (the whole rendered conversation),
 
 from __future__ import annotations
 
+import json
+import uuid
+
 from ..events import Usage
 from .chat import (
     MAX_MESSAGES,
@@ -15,11 +18,13 @@ from .chat import (
     ChatRequest,
     bad,
     boolean,
+    function_tool,
     integer,
     kind_of,
     number,
     stops,
     string,
+    tool_call,
     unknown_keys,
 )
 
@@ -28,7 +33,7 @@ KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperatur
          "seed", "stop", "stream", "stream_options", "n", "user", "metadata", "store",
          "frequency_penalty", "presence_penalty", "logprobs", "tools", "tool_choice",
          "parallel_tool_calls", "response_format", "service_tier"}
-ROLES = {"system", "developer", "user", "assistant"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
 def parse(body: object) -> ChatRequest:
@@ -48,11 +53,11 @@ def parse(body: object) -> ChatRequest:
     if fmt is not None and fmt != {"type": "text"}:
         raise bad("response_format is not supported (only {\"type\": \"text\"})",
                   "response_format")
-    tools = body.get("tools")
-    if tools not in (None, []):
-        raise bad("tools are not supported by localchat serve yet", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad("tool_choice is not supported by localchat serve yet", "tool_choice")
+    tools = _tools(body.get("tools"))
+    choice = body.get("tool_choice")
+    if choice not in (None, "none", "auto"):
+        raise bad("tool_choice must be \"auto\" or \"none\" (the model decides)",
+                  "tool_choice")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad(f"stream_options must be an object, not {kind_of(options)}",
@@ -74,7 +79,26 @@ def parse(body: object) -> ChatRequest:
         temperature=number(body, "temperature", low=0.0, high=2.0, default=1.0),
         top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
         seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
-        stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage)
+        stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage,
+        tools=() if choice == "none" else tools)
+
+
+def _tools(value: object) -> tuple[dict, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"tools must be an array, not {kind_of(value)}", "tools")
+    out = []
+    for i, t in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(
+                t.get("function"), dict):
+            raise bad(f"{where} must be {{\"type\": \"function\", \"function\": {{...}}}}",
+                      where)
+        f = t["function"]
+        out.append(function_tool(f.get("name"), f.get("description"), f.get("parameters"),
+                                 where))
+    return tuple(out)
 
 
 def _messages(value: object) -> list[dict]:
@@ -87,16 +111,36 @@ def _messages(value: object) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object, not {kind_of(m)}", where)
-        unknown_keys(m, {"role", "content", "name"})
+        unknown_keys(m, {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
-            if role == "tool" or role == "function":
-                raise bad(f"{where}: tool messages are not supported by localchat serve yet",
-                          f"{where}.role")
             raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}",
                       f"{where}.role")
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise bad(f"{where}.name must be a string", f"{where}.name")
+        calls = m.get("tool_calls")
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id")
+            out.append({"role": "tool", "content": _text(m.get("content"), f"{where}.content"),
+                        "tool_call_id": call_id})
+            continue
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list):
+                raise bad(f"{where}.tool_calls must be an array, on an assistant message",
+                          f"{where}.tool_calls")
+            stored = []
+            for j, c in enumerate(calls):
+                at = f"{where}.tool_calls[{j}]"
+                fn = c.get("function") if isinstance(c, dict) else None
+                if not isinstance(fn, dict):
+                    raise bad(f"{at} must be {{\"type\": \"function\", \"function\": ...}}", at)
+                stored.append(tool_call(fn.get("name"), fn.get("arguments", {}), at))
+            content = m.get("content")
+            text = "" if content is None else _text(content, f"{where}.content")
+            out.append({"role": "assistant", "content": text, "tool_calls": stored})
+            continue
         text = _text(m.get("content"), f"{where}.content")
         if role in ("system", "developer"):
             if any(x["role"] != "system" for x in out):
@@ -107,8 +151,8 @@ def _messages(value: object) -> list[dict]:
                 continue
             role = "system"
         out.append({"role": role, "content": text})
-    if out[-1]["role"] != "user":
-        raise bad("the last message must be from the user", "messages")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise bad("the last message must be from the user (or a tool's result)", "messages")
     return out
 
 
@@ -140,10 +184,24 @@ def usage(u: Usage) -> dict:
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
-def completion(rid: str, created: int, model: str, reply: str, u: Usage, finish: str) -> dict:
+def calls(tool_calls, streaming: bool = False) -> list[dict]:
+    """Tool calls in OpenAI's shape (arguments as a JSON string), ids made here."""
+    return [{**({"index": i} if streaming else {}), "id": f"call_{uuid.uuid4().hex[:24]}",
+             "type": "function",
+             "function": {"name": c["function"]["name"],
+                          "arguments": json.dumps(c["function"]["arguments"],
+                                                  ensure_ascii=False)}}
+            for i, c in enumerate(tool_calls)]
+
+
+def completion(rid: str, created: int, model: str, reply: str, u: Usage, finish: str,
+               tool_calls=()) -> dict:
+    message = {"role": "assistant", "content": reply if reply or not tool_calls else None}
+    if tool_calls:
+        message["tool_calls"] = calls(tool_calls)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": reply},
-                         "finish_reason": finish, "logprobs": None}],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None}],
             "usage": usage(u)}
 
 
