@@ -58,7 +58,8 @@ def _messages_json(store, conv) -> dict:
         "model": conv.model,
         "system": conv.system,
         "messages": [
-            {"role": m.role, "content": m.content, **({"partial": True} if m.partial else {})}
+            {"role": m.role, "content": m.content, **(m.extra or {}),
+             **({"partial": True} if m.partial else {})}
             for m in store.messages(conv)
         ],
     }
@@ -92,7 +93,8 @@ def cmd_export(args) -> int:
     if conv.system:
         print(f"**System:** {conv.system}\n")
     for m in store.messages(conv):
-        who = {"user": "You", "assistant": "Assistant", "system": "System"}[m.role]
+        who = {"user": "You", "assistant": "Assistant", "system": "System",
+               "tool": "Tool result"}[m.role]
         mark = " _(stopped)_" if m.partial else ""
         print(f"## {who}{mark}\n\n{m.content}\n")
     return 0

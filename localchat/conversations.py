@@ -96,7 +96,7 @@ class Conversations:
             if conv.kv_bits:
                 new = self.store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
             for m in messages[:at]:
-                self.store.add_message(new, m.role, m.content, m.partial)
+                self.store.add_message(new, m.role, m.content, m.partial, m.extra)
             written = 0
             if at != 0:
                 written = sum(link_cache(root, conv.id, new.id)

@@ -245,7 +245,7 @@ class Session:
             self.group.command("turn", lambda: {
                 "conversation": dataclasses.asdict(conv), "new": new, "cut": cut,
                 "options": dataclasses.asdict(options),
-                "messages": [(m.seq, m.role, m.content, m.partial)
+                "messages": [(m.seq, m.role, m.content, m.partial, m.extra)
                              for m in self.store.messages(conv)]})
             with self._reported():
                 reason = self.conversations.cut(conv, cut) if cut else ""

@@ -129,8 +129,8 @@ def _run(session, msg: dict) -> None:
             pass
         return
     conv = Conversation(**msg["conversation"])
-    session.store.mirror(conv, [Message(0, seq, role, content, partial, 0.0)
-                                for seq, role, content, partial in msg["messages"]])
+    session.store.mirror(conv, [Message(0, seq, role, content, partial, 0.0, extra)
+                                for seq, role, content, partial, extra in msg["messages"]])
     for _ in session.follow(conv, msg["new"], options, Cancel(), msg["cut"]):
         pass
 
