@@ -49,8 +49,10 @@ def place(session, messages: list[dict], client: str
         if shared == len(stored) and shared < len(rest):
             return conv, rest[shared:], False  # this request continues it
         # An edit or an earlier point asked again: branch where both still agree, keeping
-        # at least the last message to answer.
+        # at least the last message to answer (nothing shared before it: a new one).
         at = min(shared, len(rest) - 1)
+        if at == 0:
+            break
         fork, _ = session.fork(conv, store.unique_name(f"{conv.name}-branch"), at)
         return fork, rest[at:], True
     conv = session.conversation(store.unique_name(name_for(client, rest)), system=system)
