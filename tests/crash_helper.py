@@ -60,10 +60,10 @@ def main():
     elif mode == "kill-reply":
         real_add = store.Store.add_message
 
-        def add_message(self, conv, role, content, partial=False):
+        def add_message(self, conv, role, content, partial=False, extra=None):
             if role == "assistant":
                 die()
-            return real_add(self, conv, role, content, partial)
+            return real_add(self, conv, role, content, partial, extra)
         store.Store.add_message = add_message
     from localchat.cli import main as cli_main
 
