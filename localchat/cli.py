@@ -24,6 +24,7 @@ from .cli_data import (
     cmd_list,
     cmd_models,
     cmd_rm,
+    cmd_search,
     cmd_show,
     open_store,
 )
@@ -123,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("show", cmd_show)
     s.add_argument("name", metavar="NAME")
     s.add_argument("--json", action="store_true")
+    se = add("search", cmd_search)
+    se.add_argument("query", metavar="QUERY")
+    se.add_argument("--json", action="store_true")
+    se.add_argument("--limit", type=int, default=50, metavar="N")
     e = add("export", cmd_export)
     e.add_argument("name", metavar="NAME")
     e.add_argument("--format", choices=["md", "json"], default="md")

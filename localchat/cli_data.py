@@ -8,7 +8,8 @@ import json
 import sys
 
 from . import paths
-from .fmt import human_bytes, visible
+from .errors import BadInput
+from .fmt import human_bytes, snippet, visible
 from .models import DEFAULT_MODEL
 
 
@@ -79,6 +80,27 @@ def cmd_show(args) -> int:
     for m in store.messages(conv):
         mark = " (stopped)" if m.partial else ""
         print(f"[{m.role}]{mark} {shown(m.content)}\n")
+    return 0
+
+
+def cmd_search(args) -> int:
+    """Find messages by what they say, across every conversation (any script: three
+    characters or more through the full-text index, shorter by a scan); most recent first."""
+    if not args.query.strip():
+        raise BadInput("empty search")
+    if args.limit < 1:
+        raise BadInput("--limit must be at least 1")
+    store = open_store()
+    found = store.search(args.query, args.limit)
+    if args.json:
+        print(json.dumps([{"conversation": c.name, "seq": m.seq, "role": m.role,
+                           "content": m.content} for c, m in found], ensure_ascii=False))
+        return 0
+    shown = visible if sys.stdout.isatty() else str
+    for conv, m in found:
+        print(f"{shown(conv.name)}  #{m.seq} [{m.role}]  {shown(snippet(m.content, args.query))}")
+    if not found:
+        print(f"nothing found for {args.query!r}", file=sys.stderr)
     return 0
 
 

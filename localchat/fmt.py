@@ -10,6 +10,15 @@ _CONTROLS[0x7F] = 0x2421  # ␡
 _CONTROLS.update({c: 0xFFFD for c in range(0x80, 0xA0)})
 
 
+def snippet(text: str, needle: str, width: int = 80) -> str:
+    """One line of ``text`` around the first place it holds ``needle`` (any case)."""
+    flat = " ".join(text.split())
+    at = max(0, flat.lower().find(needle.lower().strip()))
+    start = max(0, at - width // 4)
+    return ("…" if start else "") + flat[start:start + width] + (
+        "…" if start + width < len(flat) else "")
+
+
 def visible(text: str) -> str:
     """``text`` as a terminal may show it: control characters as their pictures (ESC as ␛,
     CR as ␍, NUL as ␀; C1 controls as U+FFFD), everything else as it is (Korean, emoji,

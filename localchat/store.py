@@ -82,6 +82,23 @@ MIGRATIONS = [
     ALTER TABLE messages_new RENAME TO messages;
     CREATE INDEX messages_chain ON messages (chain);
     """,
+    # Search over every message (``search``): SQLite's full-text index with the trigram
+    # tokenizer, which finds any substring of three or more characters in any script
+    # (Hangul included), kept in step with the messages by triggers (deletes by cascade too).
+    """
+    CREATE VIRTUAL TABLE messages_text USING fts5(content, content='messages',
+        content_rowid='id', tokenize='trigram');
+    CREATE TRIGGER messages_text_added AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_text (rowid, content) VALUES (new.id, new.content); END;
+    CREATE TRIGGER messages_text_removed AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_text (messages_text, rowid, content)
+            VALUES ('delete', old.id, old.content); END;
+    CREATE TRIGGER messages_text_changed AFTER UPDATE OF content ON messages BEGIN
+        INSERT INTO messages_text (messages_text, rowid, content)
+            VALUES ('delete', old.id, old.content);
+        INSERT INTO messages_text (rowid, content) VALUES (new.id, new.content); END;
+    INSERT INTO messages_text (messages_text) VALUES ('rebuild');
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 
@@ -250,6 +267,31 @@ class Store:
             "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
             f" FROM conversations WHERE id IN ({','.join('?' * len(ids))})", tuple(ids))
         return [Conversation(*r) for r in rows]
+
+    def search(self, query: str, limit: int = 50) -> list[tuple[Conversation, Message]]:
+        """Messages whose text holds ``query`` (any case), most recent first, with their
+        conversations. Three characters or more go through the full-text index; a shorter
+        query (a two-syllable Korean word) is looked for message by message."""
+        query = query.strip()
+        if not query:
+            return []
+        cols = ("m.id, m.seq, m.role, m.content, m.partial, m.created, m.extra, "
+                "c.id, c.name, c.model, c.system, c.created, c.updated, c.tokens, c.kv_bits, "
+                "c.kv_group")
+        if len(query) >= 3:
+            phrase = '"' + query.replace('"', '""') + '"'
+            rows = self._rows(
+                f"SELECT {cols} FROM messages_text t JOIN messages m ON m.id = t.rowid"
+                " JOIN conversations c ON c.id = m.conversation_id"
+                " WHERE messages_text MATCH ? ORDER BY m.created DESC LIMIT ?",
+                (phrase, limit))
+        else:
+            rows = self._rows(
+                f"SELECT {cols} FROM messages m JOIN conversations c"
+                " ON c.id = m.conversation_id WHERE instr(lower(m.content), lower(?)) > 0"
+                " ORDER BY m.created DESC LIMIT ?", (query, limit))
+        return [(Conversation(*r[7:]), Message(r[0], r[1], r[2], r[3], bool(r[4]), r[5],
+                                               _extra(r[6]))) for r in rows]
 
     def find(self, name: str) -> Conversation | None:
         try:
@@ -472,6 +514,18 @@ def rechain(db: sqlite3.Connection, conv_id: int) -> None:
                    [(h, r[0]) for h, r in zip(hashes, rows)])
 
 
+def statements(sql: str) -> list[str]:
+    """The statements of a migration, whole (a trigger's body holds semicolons too)."""
+    out, buf = [], ""
+    for piece in sql.split(";"):
+        buf += piece + ";"
+        if sqlite3.complete_statement(buf):
+            if buf.strip(" \n;"):
+                out.append(buf)
+            buf = ""
+    return out
+
+
 def migrate(db: sqlite3.Connection) -> int:
     """Bring the schema to the newest version; return that version.
 
@@ -484,9 +538,8 @@ def migrate(db: sqlite3.Connection) -> int:
     try:
         version = db.execute("PRAGMA user_version").fetchone()[0]
         for i in range(version, len(MIGRATIONS)):
-            for statement in MIGRATIONS[i].split(";"):
-                if statement.strip():
-                    db.execute(statement)
+            for statement in statements(MIGRATIONS[i]):
+                db.execute(statement)
             if i + 1 == CHAINED:
                 for (conv_id,) in db.execute("SELECT id FROM conversations").fetchall():
                     rechain(db, conv_id)

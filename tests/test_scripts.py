@@ -69,6 +69,11 @@ def _kvquant(r: dict) -> None:
     assert not r["settings"][0]["refused"]  # 8-bit passes the gate: the quantized turns ran
 
 
+def _longuse(r: dict) -> None:
+    assert r["conversations"] == 200 and r["messages"] == 2000
+    assert r["app_first_frame_s"] > 0 and r["app_next_page_s"] > 0
+
+
 def _resume(r: dict) -> None:
     assert len(r["results"]) == 2
 
@@ -99,6 +104,9 @@ CASES = {
                    "key_ms_median_draft_on", "key_ms_median_draft_off"}),
     "families": Case({"families", "history_tokens"}, _families, model=False),
     "kvquant": Case({"f16_bytes_per_token", "settings"}, _kvquant),
+    "longuse": Case({"conversations", "messages", "search_korean_s", "search_english_s",
+                     "cli_search_s", "cli_list_s", "app_first_frame_s", "app_next_page_s"},
+                    _longuse, model=False),
     "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
     "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",
                    "turn_restart_s", "mlx_lm_turn_restart_s", "turn1_full_prefill_s",

@@ -118,7 +118,7 @@ class LocalchatApp(Actions, App):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield Sidebar()
+            yield Sidebar(search=lambda q: self.store.search(q) if self.store else [])
             with Vertical(id="right"):
                 yield ChatView(id="chat")
                 yield Composer(id="composer")
@@ -217,7 +217,10 @@ class LocalchatApp(Actions, App):
                         "process", severity="warning")
             self.refresh_sidebar()
             return
-        self.open_conversation(conv)
+        if conv.id != (self.current.id if self.current else None):
+            self.open_conversation(conv)
+        if event.seq is not None:  # a message found by a search: show it
+            self.query_one(ChatView).show_message(event.seq)
 
     # -- model -----------------------------------------------------------------------------
 

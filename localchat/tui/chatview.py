@@ -34,6 +34,7 @@ class AssistantMessage(Markdown):
 
 class ChatView(VerticalScroll):
     shown: tuple = ()  # what ``show`` drew last
+    by_seq: dict = {}  # its message widgets by the messages' seq
 
     def show(self, messages: list[Message], keep: bool = False) -> None:
         """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
@@ -43,13 +44,28 @@ class ChatView(VerticalScroll):
             return
         self.shown = drawn
         self.remove_children()
+        self.by_seq: dict[int, object] = {}
         for m in messages:
             if m.role == "user":
-                self.mount(UserMessage(m.content))
+                widget = UserMessage(m.content)
             elif m.role == "assistant":
-                text = m.content + ("\n\n_(stopped)_" if m.partial else "")
-                self.mount(AssistantMessage(text))
+                widget = AssistantMessage(m.content + ("\n\n_(stopped)_" if m.partial else ""))
+            else:
+                continue
+            self.by_seq[m.seq] = widget
+            self.mount(widget)
         self.scroll_end(animate=False)
+
+    def show_message(self, seq: int) -> bool:
+        """Scroll to message ``seq`` (a search's match) and mark it; False if not shown."""
+        widget = self.by_seq.get(seq)
+        if widget is None:
+            return False
+        for w in self.by_seq.values():
+            w.remove_class("found")
+        widget.add_class("found")
+        self.call_after_refresh(self.scroll_to_widget, widget, animate=False, top=True)
+        return True
 
     def add_user(self, text: str) -> None:
         self.shown = ()  # no longer what ``show`` drew

@@ -1,0 +1,98 @@
+"""A year of use: search across conversations (Korean and English), a sidebar of thousands of
+conversations a page at a time, and a search in the app that jumps to the message."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from fakes import ScriptedEngine
+
+from localchat import paths
+from localchat.cli import main
+from localchat.store import MIGRATIONS, Store, migrate
+from localchat.tui.app import LocalchatApp
+from localchat.tui.chatview import ChatView
+from localchat.tui.sidebar import PAGE, ConversationItem, MoreItem, Sidebar
+
+
+def fill(store: Store, n: int) -> None:
+    for i in range(n):
+        c = store.create(f"c{i:04d}", "m")
+        store.add_message(c, "user", f"question {i} about the weather")
+        store.add_message(c, "assistant", f"answer {i}: it rains")
+
+
+def test_search_finds_korean_and_english_and_follows_deletes(home, capsys):
+    store = Store.open(paths.database_path())
+    fill(store, 20)
+    trip = store.create("trip", "m")
+    store.add_message(trip, "user", "서울은 한국의 수도입니다. 부산은 바다가 아름답습니다.")
+    store.add_message(trip, "assistant", "The Gyeongbokgung Palace opens at nine.")
+    for query, expect in (("한국의 수도", 1), ("수도", 1), ("부산", 1), ("gyeongbokgung", 1),
+                          ("PALACE opens", 1), ("it rains", 20), ("nowhere", 0)):
+        assert main(["search", query, "--json"]) == 0
+        found = json.loads(capsys.readouterr().out)
+        assert len(found) == expect, (query, found)
+        assert all(query.lower() in f["content"].lower() for f in found)
+    assert main(["search", "수도"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("trip  #1 [user]  ") and "수도" in out
+    store.delete_messages_from(trip, 2)
+    assert store.search("palace") == []
+    main(["rm", "trip"])
+    assert store.search("한국의") == []
+    store.close()
+
+
+def test_search_covers_messages_stored_before_the_index(tmp_path):
+    """Migrating a database made before the search index indexes its messages."""
+    path = tmp_path / "old.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA foreign_keys=ON")
+    for i, sql in enumerate(MIGRATIONS[:-1]):
+        for statement in (s for s in sql.split(";") if s.strip()):
+            db.execute(statement)
+        db.execute(f"PRAGMA user_version = {i + 1}")
+    db.execute("INSERT INTO conversations (name, model, created, updated) VALUES "
+               "('old', 'm', 0, 0)")
+    db.execute("INSERT INTO messages (conversation_id, seq, role, content, created) VALUES "
+               "(1, 1, 'user', '오래된 메시지입니다, an old message', 0)")
+    db.close()
+    store = Store.open(path)
+    assert [m.content for _, m in store.search("오래된 메시지")] == [
+        "오래된 메시지입니다, an old message"]
+    assert migrate(store.db) == len(MIGRATIONS)
+    store.close()
+
+
+async def test_a_sidebar_of_many_conversations_shows_a_page_at_a_time(home, engine):
+    store = Store.open(paths.database_path())
+    fill(store, PAGE * 2 + 30)
+    target = store.get("c0010")
+    store.add_message(target, "user", "Where is the Gyeongbokgung Palace?")
+    store.close()
+    scripted = ScriptedEngine(engine, [])
+    app = LocalchatApp(load_engine=lambda name, progress: scripted)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        view = app.query_one("#conversations")
+        items = list(view.query(ConversationItem))
+        assert len(items) == PAGE and len(view.query(MoreItem)) == 1
+        app.query_one(Sidebar).pick(view.query_one(MoreItem))
+        await pilot.pause()
+        assert len(list(view.query(ConversationItem))) == 2 * PAGE
+        # A search in the filter box lists the message and opens its conversation there.
+        await pilot.click("#filter")
+        await pilot.press(*"Gyeongbokgung")
+        await pilot.pause()
+        found = [i for i in view.query(ConversationItem) if i.seq is not None]
+        assert [(i.conv.name, i.seq) for i in found] == [("c0010", 3)]
+        view.index = list(view.children).index(found[0])
+        await pilot.press("enter")
+        await pilot.pause()
+        await pilot.pause()
+        assert app.current.name == "c0010"
+        chat = app.query_one(ChatView)
+        assert chat.by_seq[3].has_class("found")
