@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("models", cmd_models)
     i = add("inspect", cmd_inspect)
     i.add_argument("-m", "--model", metavar="MODEL")
+    i.add_argument("-c", "--conversation", metavar="NAME",
+                   help="what this conversation's cache holds and what each turn saved")
     i.add_argument("--json", action="store_true")
     sv = add("serve", cmd_serve)
     sv.add_argument("--host", default="127.0.0.1",
@@ -421,7 +423,19 @@ def open_output(path, append: bool):
 
 
 def cmd_inspect(args) -> int:
-    """What the KV cache costs for a model: layer mix, bytes per token, state, bytes on disk."""
+    """What the KV cache costs for a model: layer mix, bytes per token, state, bytes on disk.
+    With -c NAME: what that conversation's cache holds and what each turn saved."""
+    if args.conversation:
+        from .cachereport import as_json, as_lines, report
+
+        store = open_store()
+        conv = store.get(args.conversation)
+        store.close()
+        session = session_for(args.model or conv.model, args)
+        found = report(session, session.store.get(conv.name))
+        print(json.dumps(as_json(found), ensure_ascii=False) if args.json
+              else "\n".join(as_lines(found)))
+        return 0
     from .cpu import backend
     from .engine import Engine
     from .kvcache import budget

@@ -319,6 +319,10 @@ class Session:
         usage = usage_of(self.engine, tokens, start.pos, run, t0,
                          cache_bytes=sum(r[0] for r in rows), written=sum(r[1] for r in rows),
                          reason=reason, draft=start.draft)
+        try:
+            self.store.add_turn(conv, usage)
+        except StorageError:
+            pass  # the record only feeds the cache view
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
                            run.stop_sequence, tuple(run.tool_calls))
 

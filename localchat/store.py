@@ -99,6 +99,24 @@ MIGRATIONS = [
         INSERT INTO messages_text (rowid, content) VALUES (new.id, new.content); END;
     INSERT INTO messages_text (messages_text) VALUES ('rebuild');
     """,
+    # What each turn's cache did (``turns``): the cache view shows it turn by turn.
+    """
+    CREATE TABLE turns (
+        id INTEGER PRIMARY KEY,
+        conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+        prompt_tokens INTEGER NOT NULL,
+        cached_tokens INTEGER NOT NULL,
+        draft_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        ttft_s REAL NOT NULL,
+        prefill_tps REAL NOT NULL,
+        decode_tps REAL NOT NULL,
+        bytes_written INTEGER NOT NULL,
+        miss_reason TEXT NOT NULL,
+        created REAL NOT NULL
+    );
+    CREATE INDEX turns_conversation ON turns (conversation_id);
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 
@@ -156,6 +174,25 @@ class Message:
     def as_chat(self) -> dict:
         """The message as a chat template takes it."""
         return {"role": self.role, "content": self.content, **(self.extra or {})}
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """What one turn's cache did, as recorded (``Store.add_turn``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    draft_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    prefill_tps: float
+    decode_tps: float
+    bytes_written: int
+    miss_reason: str
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
 
 class Store:
@@ -305,6 +342,23 @@ class Store:
             " FROM conversations"
             " ORDER BY updated DESC, id DESC")
         return [Conversation(*r) for r in rows]
+
+    def add_turn(self, conv: Conversation, usage) -> None:
+        """Record what a turn's cache did (an ``events.Usage``)."""
+        u = usage
+        self._write("INSERT INTO turns (conversation_id, prompt_tokens, cached_tokens,"
+                    " draft_tokens, completion_tokens, ttft_s, prefill_tps, decode_tps,"
+                    " bytes_written, miss_reason, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?,"
+                    " ?, ?)", (conv.id, u.prompt_tokens, u.cached_tokens, u.draft_tokens,
+                               u.completion_tokens, u.ttft_s, u.prefill_tps, u.decode_tps,
+                               u.bytes_written, u.miss_reason, time.time()))
+
+    def turns(self, conv: Conversation) -> list[TurnRecord]:
+        """The recorded turns of ``conv``, oldest first."""
+        return [TurnRecord(*r) for r in self._rows(
+            "SELECT prompt_tokens, cached_tokens, draft_tokens, completion_tokens, ttft_s,"
+            " prefill_tps, decode_tps, bytes_written, miss_reason FROM turns"
+            " WHERE conversation_id = ? ORDER BY id", (conv.id,))]
 
     def update(self, conv: Conversation, **fields) -> Conversation:
         """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""

@@ -72,7 +72,7 @@ LAYERS = {
     "engine": ["localchat.engine"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
-                "localchat.replies"],
+                "localchat.replies", "localchat.cachereport"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
                    "localchat.batch", "localchat.batchlines", "localchat.parallel",
                    "localchat.tui", "localchat.tui.*", "localchat.server", "localchat.server.*",

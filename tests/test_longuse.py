@@ -10,7 +10,7 @@ from fakes import ScriptedEngine
 
 from localchat import paths
 from localchat.cli import main
-from localchat.store import MIGRATIONS, Store, migrate
+from localchat.store import MIGRATIONS, Store, migrate, statements
 from localchat.tui.app import LocalchatApp
 from localchat.tui.chatview import ChatView
 from localchat.tui.sidebar import PAGE, ConversationItem, MoreItem, Sidebar
@@ -50,8 +50,9 @@ def test_search_covers_messages_stored_before_the_index(tmp_path):
     path = tmp_path / "old.db"
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA foreign_keys=ON")
-    for i, sql in enumerate(MIGRATIONS[:-1]):
-        for statement in (s for s in sql.split(";") if s.strip()):
+    before = next(i for i, sql in enumerate(MIGRATIONS) if "messages_text" in sql)
+    for i, sql in enumerate(MIGRATIONS[:before]):  # the schema before the search index
+        for statement in statements(sql):
             db.execute(statement)
         db.execute(f"PRAGMA user_version = {i + 1}")
     db.execute("INSERT INTO conversations (name, model, created, updated) VALUES "
@@ -96,3 +97,65 @@ async def test_a_sidebar_of_many_conversations_shows_a_page_at_a_time(home, engi
         assert app.current.name == "c0010"
         chat = app.query_one(ChatView)
         assert chat.by_seq[3].has_class("found")
+
+
+# -- the cache view ----------------------------------------------------------------------------
+
+
+async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, tmp_path,
+                                                                         capsys):
+    """Three turns of a tiny hybrid model (linear attention + full attention) in the app,
+    then F3: the screen's counts, checkpoint marks and per-kind bytes are the manifest's and
+    ``inspect -c``'s, and the time saved comes from the measured prefill rate."""
+    from families import build_family
+
+    from localchat.cachereport import as_json, report
+    from localchat.engine import Engine
+    from localchat.tui.cachescreen import CacheScreen, strip
+
+    folder = build_family("qwen3_next", tmp_path / "hybrid")
+    engine = Engine.load(str(folder))
+    scripted = ScriptedEngine(engine, ["Seoul has five palaces.", "Busan is by the sea.",
+                                       "Go to Seoul first."])
+    app = LocalchatApp(conversation="trip", load_engine=lambda name, progress: scripted,
+                       draft_prefill=False)
+    async with app.run_test(size=(130, 50)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        for text in ("Tell me about the palaces of Seoul, please.", "And Busan?",
+                     "Which one first?"):
+            app.query_one("Composer").text = text
+            await pilot.press("enter")
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+        await pilot.press("f3")
+        for _ in range(100):
+            await app.workers.wait_for_complete()
+            await pilot.pause()
+            if isinstance(app.screen, CacheScreen):
+                break
+        screen = app.screen
+        assert isinstance(screen, CacheScreen)
+        shown = "\n".join(str(w.render()) for w in screen.query("Static"))
+        r = screen.report
+        man = app.session.cache_folder(app.current).manifest()
+        assert r.tokens == len(man.tokens) and f"{len(man.tokens):,} tokens of" in shown
+        assert [p for p, _ in r.checkpoints] == [c.pos for c in man.checkpoints]
+        assert f"{len(man.checkpoints)} checkpoints" in shown
+        assert len(r.turns) == 3 and "recurrent state (ArraysCache)" in shown
+        marks = str(strip(r)[1])
+        assert marks.count("◆") == len({min(p * 96 // max(r.tokens, 1), 95)
+                                        for p, _ in r.checkpoints}) > 0
+        assert r.prefill_rate > 0 and abs(r.saved_s - sum(
+            t.cached_tokens / r.prefill_rate for t in r.turns)) < 1e-9
+        assert "Time saved" in shown and "estimated" in shown
+        session = app.session
+        same = json.loads(json.dumps(as_json(report(session, session.store.get("trip")))))
+    # inspect -c shows the same figures.
+    assert main(["inspect", "-c", "trip", "-m", str(folder), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["kinds"] == same["kinds"] and printed["tokens"] == same["tokens"]
+    assert printed["checkpoints"] == same["checkpoints"]
+    assert main(["inspect", "-c", "trip", "-m", str(folder)]) == 0
+    text = capsys.readouterr().out
+    assert "checkpoints" in text and "time saved" in text

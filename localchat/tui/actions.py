@@ -20,6 +20,7 @@ from ..errors import LocalchatError
 from ..fmt import visible
 from ..models import DEFAULT_MODEL, list_local
 from ..store import Conversation
+from .cachescreen import CacheScreen
 from .composer import Composer
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
 
@@ -174,6 +175,26 @@ class Actions:
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
+    def action_cache(self) -> None:
+        """The cache view of the open conversation (computed on the MLX thread)."""
+        if self.dialog_open or self.current is None:
+            return
+        if self.session is None:
+            self.notify("the model is not loaded yet", severity="warning")
+            return
+        self.cache_view_worker(self.current)
+
+    @work(thread=True, group="conversation-ops")
+    def cache_view_worker(self, conv: Conversation) -> None:
+        from ..cachereport import report
+
+        try:
+            found = self.mlx.call(report, self.session, conv)
+        except LocalchatError as err:
+            self.call_from_thread(self.notify, str(err), severity="error")
+            return
+        self.call_from_thread(self.push_screen, CacheScreen(found))
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("New conversation", "Start a new conversation", self.action_new)
@@ -193,4 +214,6 @@ class Actions:
             "Draft prefill: " + ("turn off" if self.drafts.enabled else "turn on"),
             "Prefill the message while you type, so the reply starts at once "
             "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
+        yield SystemCommand("Cache view", "What this conversation's cache holds and what "
+                            "each turn saved", self.action_cache)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)

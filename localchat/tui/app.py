@@ -76,6 +76,7 @@ class LocalchatApp(Actions, App):
         Binding("ctrl+t", "system_prompt", "System", priority=True),
         Binding("ctrl+o", "pick_model", "Model", priority=True),
         Binding("f1", "help", "Help"),
+        Binding("f3", "cache", "Cache"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
@@ -416,8 +417,10 @@ class LocalchatApp(Actions, App):
             return
         # The tokenizer is not MLX and fast enough for typing speed (``count_tokens``).
         n = self.session.count_tokens(text)
+        per = f" ({n / len(text):.2f} per character)" if text.strip() else ""
         hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
-        label.update(f"{n} tokens · {hint}" + (" · editing last message" if self.editing else ""))
+        label.update(f"{n} tokens{per} · {hint}"
+                     + (" · editing last message" if self.editing else ""))
 
     # -- a bug: keep the unsent message, log the traceback, give the terminal back ----------
 
