@@ -23,10 +23,12 @@ Not here: retries, sampling settings per line, or any order other than the file'
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from . import paths
 from .batchlines import BatchResult, Job
 from .errors import BadInput, LocalchatError
 from .events import Notice, TurnFinished
@@ -142,6 +144,20 @@ def _check_template(engine, messages: list[dict]) -> None:
                                              tokenize=False)
     except TemplateError as err:
         raise BadInput(f"the model's chat template refuses these messages: {err}") from None
+
+
+def open_output(path, append: bool):
+    """A results file the user named: created with the user's own umask (not the data
+    folder's owner-only mode); a path that cannot be written is one line."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        new = not os.path.lexists(path)
+        fd = os.open(path, flags, 0o600)
+        if new:  # (the process umask is owner-only: ``paths.keep_private``)
+            os.fchmod(fd, paths.user_mode())
+        return os.fdopen(fd, "w", encoding="utf-8")
+    except OSError as err:
+        raise BadInput(f"cannot write {path}: {err.strerror or err}") from None
 
 
 class Progress:

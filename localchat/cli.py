@@ -368,7 +368,7 @@ def cmd_batch(args) -> int:
     """Run many prompts from a JSONL file; one JSON result line per input line, in order."""
     from pathlib import Path
 
-    from .batch import BatchOptions, Progress, run_batch
+    from .batch import BatchOptions, Progress, open_output, run_batch
     from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
@@ -406,20 +406,6 @@ def cmd_batch(args) -> int:
     if failed:
         print(f"localchat: {failed} of {len(items)} lines failed", file=sys.stderr)
     return 1 if failed else 0
-
-
-def open_output(path, append: bool):
-    """A results file the user named: created with the user's own umask (not the data
-    folder's owner-only mode); a path that cannot be written is one line."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
-    try:
-        new = not os.path.lexists(path)
-        fd = os.open(path, flags, 0o600)
-        if new:  # (the process umask is owner-only: ``paths.keep_private``)
-            os.fchmod(fd, paths.user_mode())
-        return os.fdopen(fd, "w", encoding="utf-8")
-    except OSError as err:
-        raise BadInput(f"cannot write {path}: {err.strerror or err}") from None
 
 
 def cmd_inspect(args) -> int:

@@ -30,7 +30,7 @@ ENGLISH = "violet umbrella parade"
 
 def fill(store, n: int) -> None:
     """``n`` conversations of ten messages, in one transaction (the chains computed after)."""
-    from localchat.store import rechain
+    from localchat.migrations import rechain
 
     now = time.time()
     with store._tx():  # noqa: SLF001 - setting up a large folder fast, not a use of the API

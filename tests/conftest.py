@@ -94,3 +94,52 @@ def quantized_model(tiny_model, tmp_path):
     config["quantization"] = {"group_size": 32, "bits": 4}
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+# -- ``localchat serve`` in a subprocess (tests/serving.py) ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def kinds(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model of each cache kind ``localchat serve`` is tested on (``serving.KINDS``)."""
+    from families import build_family
+    from serving import KINDS
+
+    root = tmp_path_factory.mktemp("serve-models")
+    return {k: build_family(k, root / k) for k in KINDS}
+
+
+@pytest.fixture
+def server(tmp_path, kinds):
+    """``server(kind, *args, model=…, scripted=…)`` starts ``localchat serve``; every server
+    started is stopped at the end, and none may have printed a traceback."""
+    from serving import Server
+
+    started = []
+
+    def start(kind: str = "llama", *args: str, model: Path | None = None, **kw) -> "Server":
+        s = Server(tmp_path / "home", model or kinds[kind], *args, **kw).start()
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        if s.proc.poll() is None:
+            s.stop()
+        assert "Traceback" not in s.err, s.err
+
+
+
+
+@pytest.fixture
+def make_app(home, engine):
+    """``make(replies, delay, **app_args)`` → (the chat app, its scripted engine): the tiny
+    real model, with replies taken from a queue (``fakes.ScriptedEngine``)."""
+    from fakes import ScriptedEngine
+
+    from localchat.tui.app import LocalchatApp
+
+    def make(replies=(), delay=0.0, **kw):
+        scripted = ScriptedEngine(engine, list(replies), delay)
+        return LocalchatApp(load_engine=lambda name, progress: scripted, **kw), scripted
+    return make

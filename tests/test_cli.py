@@ -138,7 +138,8 @@ def test_store_migrates_a_blank_database_and_two_openers_take_turns(tmp_path):
     import sqlite3
     import threading
 
-    from localchat.store import MIGRATIONS, Store
+    from localchat.migrations import MIGRATIONS
+    from localchat.store import Store
 
     path = tmp_path / "new.db"
     errors = []

@@ -463,23 +463,6 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
     assert_partial_reply_kept(home)
 
 
-def test_ring_messages_are_dropped_wherever_they_fall_in_the_stream():
-    """MLX's `[ring] …` lines are cut out even mid-line (after a frame of the app's screen)
-    and across chunks; everything else passes at once, newline or not."""
-    from localchat.cluster.launch import drop_ring_lines
-
-    chunks = [b"\x1b[20;31H", b"frame[ring] Socket 7 was ", b"closed by the peer\nnext",
-              b" line\n[ring] again\n", b"\x1b[?1049l"]
-    out, dropping, seen = b"", False, []
-    for chunk in chunks:
-        part, dropping = drop_ring_lines(chunk, dropping)
-        seen.append(part)
-        out += part
-    assert out == b"\x1b[20;31Hframenext line\n\x1b[?1049l"
-    assert seen[0] == b"\x1b[20;31H" and seen[-1] == b"\x1b[?1049l"  # not held back
-    assert not dropping
-
-
 def test_disk_budget_covers_every_rank_folder(models, tmp_path):
     """LOCALCHAT_CACHE_LIMIT is one budget for the data folder: a split model's older shard
     caches (every rank's) are cleared to make room, the current conversation's kept."""

@@ -353,3 +353,23 @@ def test_the_control_server_listens_on_one_address_only():
         assert server.getsockname()[0] == "127.0.0.1"
     with pytest.raises(launch.BadInput, match="cannot listen on 192.0.2.1"):
         launch._listen("192.0.2.1")  # TEST-NET: not this machine's
+
+
+# -- rank 0's stderr: MLX's [ring] messages filtered out ---------------------------------
+
+
+def test_ring_messages_are_dropped_wherever_they_fall_in_the_stream():
+    """MLX's `[ring] …` lines are cut out even mid-line (after a frame of the app's screen)
+    and across chunks; everything else passes at once, newline or not."""
+    from localchat.cluster.launch import drop_ring_lines
+
+    chunks = [b"\x1b[20;31H", b"frame[ring] Socket 7 was ", b"closed by the peer\nnext",
+              b" line\n[ring] again\n", b"\x1b[?1049l"]
+    out, dropping, seen = b"", False, []
+    for chunk in chunks:
+        part, dropping = drop_ring_lines(chunk, dropping)
+        seen.append(part)
+        out += part
+    assert out == b"\x1b[20;31Hframenext line\n\x1b[?1049l"
+    assert seen[0] == b"\x1b[20;31H" and seen[-1] == b"\x1b[?1049l"  # not held back
+    assert not dropping

@@ -65,7 +65,8 @@ def test_no_import_cycles():
 LAYERS = {
     "base": ["localchat", "localchat.errors", "localchat.paths", "localchat.files",
              "localchat.fmt", "localchat.locks", "localchat.events", "localchat.crashlog"],
-    "models and stores": ["localchat.store", "localchat.models", "localchat.gguf",
+    "models and stores": ["localchat.store", "localchat.migrations", "localchat.models",
+                          "localchat.gguf",
                           "localchat.kvcache", "localchat.kvcache.*", "localchat.cpu",
                           "localchat.cpu.*", "localchat.cluster", "localchat.cluster.group",
                           "localchat.cluster.control", "localchat.cluster.split"],

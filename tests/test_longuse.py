@@ -10,7 +10,8 @@ from fakes import ScriptedEngine
 
 from localchat import paths
 from localchat.cli import main
-from localchat.store import MIGRATIONS, Store, migrate, statements
+from localchat.migrations import MIGRATIONS, migrate, statements
+from localchat.store import Store
 from localchat.tui.app import LocalchatApp
 from localchat.tui.chatview import ChatView
 from localchat.tui.sidebar import PAGE, ConversationItem, MoreItem, Sidebar

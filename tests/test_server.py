@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -18,10 +16,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-import anthropic
-import openai
 import pytest
-from families import build_family
+from serving import KINDS, post
 from tiny import build_tiny_model
 from twins import full_prefill
 
@@ -29,103 +25,9 @@ from localchat import paths
 from localchat.engine import Engine
 from localchat.store import Store
 
-KINDS = ["llama", "gemma3_text", "qwen3_next"]  # growing; sliding window; hybrid (recurrent)
 FIRST = "Tell me about Seoul and its old palaces, please."
 SECOND = "And what about Busan?"
 THIRD = "Which one should I visit first?"
-
-
-class Server:
-    """``localchat serve`` in a subprocess; stopped with SIGINT (as Ctrl-C)."""
-
-    def __init__(self, home: Path, model: Path, *args: str, host: str = "127.0.0.1",
-                 scripted: list[str] | None = None):
-        self.home, self.model, self.args, self.host = home, model, args, host
-        self.scripted = scripted  # replies the model is made to give (scripted_serve.py)
-        self.proc: subprocess.Popen | None = None
-        self.err = ""
-
-    def start(self) -> Server:
-        env = {**os.environ, "LOCALCHAT_HOME": str(self.home)}
-        run = [sys.executable, "-m", "localchat"]
-        if self.scripted is not None:
-            env["SCRIPTED_REPLIES"] = json.dumps(self.scripted)
-            env["PYTHONPATH"] = str(Path(__file__).parent)
-            run = [sys.executable, str(Path(__file__).parent / "scripted_serve.py")]
-        self.proc = subprocess.Popen(
-            [*run, "serve", "-m", str(self.model), "--port", "0", "--host", self.host,
-             *self.args], env=env, stderr=subprocess.PIPE, text=True)
-        lines = []
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            line = self.proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
-            if m := re.search(r"on http://(\S+):(\d+)/v1", line):
-                self.port = int(m.group(2))
-                threading.Thread(target=self._drain, daemon=True).start()
-                self.err = "".join(lines)
-                return self
-        raise AssertionError("the server did not start: " + "".join(lines))
-
-    def _drain(self) -> None:
-        for line in self.proc.stderr:
-            self.err += line
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-
-    def openai(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kw.pop("api_key", "none"),
-                             max_retries=0, timeout=60, **kw)
-
-    def anthropic(self, **kw) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.url, api_key=kw.pop("api_key", "none"),
-                                   max_retries=0, timeout=60, **kw)
-
-
-def post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int, dict]:
-    data = body.encode() if isinstance(body, str) else body
-    req = urllib.request.Request(url, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-@pytest.fixture(scope="module")
-def kinds(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("serve-models")
-    return {k: build_family(k, root / k) for k in KINDS}
-
-
-@pytest.fixture
-def server(tmp_path, kinds):
-    started = []
-
-    def start(kind: str = "llama", *args: str, model: Path | None = None, **kw) -> Server:
-        s = Server(tmp_path / "home", model or kinds[kind], *args, **kw).start()
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        if s.proc.poll() is None:
-            s.stop()
-        assert "Traceback" not in s.err, s.err
 
 
 def the_conversation(home: Path) -> str:
@@ -400,107 +302,4 @@ def test_ipv6_loopback(server):
     one = s.openai().chat.completions.create(model="localchat", max_tokens=4,
                                              messages=[{"role": "user", "content": "hi"}])
     assert one.choices[0].message.role == "assistant"
-    s.stop()
-
-
-# -- tools ---------------------------------------------------------------------------------
-
-TOOLS_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\nTo call one, answer "
-    "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{{ message.content }}{% for tool_call in message.tool_calls %}"
-    "{% set tool_call = tool_call.function %}<tool_call>\n{\"name\": \"{{ tool_call.name }}\", "
-    "\"arguments\": {{ tool_call.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
-    "{% elif message.role == 'tool' %}<|im_start|>tool\n{{ message.content }}<|im_end|>\n"
-    "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Seoul"}}\n</tool_call>'
-WEATHER = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
-
-
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    """The tiny llama with a chat template that offers tools (mlx-lm's JSON tool parser)."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("tools") / "tiny-tools")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_openai_tool_calls_and_results(server, tool_model, tmp_path, stream):
-    s = server(model=tool_model, scripted=["Let me look. " + CALL, "It is sunny in Seoul."])
-    client = s.openai()
-    history = [{"role": "user", "content": "What is the weather in Seoul?"}]
-    if stream:
-        text, calls, finish = "", {}, None
-        for chunk in client.chat.completions.create(model="localchat", messages=history,
-                                                    tools=WEATHER, stream=True, temperature=0):
-            delta = chunk.choices[0].delta
-            text += delta.content or ""
-            for c in delta.tool_calls or []:
-                calls[c.index] = c
-            finish = chunk.choices[0].finish_reason or finish
-        assert "<tool_call>" not in text and text.strip() == "Let me look."
-        (call,) = calls.values()
-    else:
-        one = client.chat.completions.create(model="localchat", messages=history,
-                                             tools=WEATHER, temperature=0)
-        finish, (call,) = one.choices[0].finish_reason, one.choices[0].message.tool_calls
-        assert one.choices[0].message.content.strip() == "Let me look."
-    assert finish == "tool_calls"
-    assert call.function.name == "get_weather"
-    assert json.loads(call.function.arguments) == {"city": "Seoul"}
-    history += [{"role": "assistant", "content": "Let me look.", "tool_calls": [
-                    {"id": call.id, "type": "function", "function": {
-                        "name": "get_weather", "arguments": call.function.arguments}}]},
-                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
-    two = client.chat.completions.create(model="localchat", messages=history, tools=WEATHER,
-                                         temperature=0)
-    assert two.choices[0].message.content == "It is sunny in Seoul."
-    assert two.choices[0].finish_reason == "stop"
-    # The request continued the same conversation, from its cache.
-    assert two.usage.prompt_tokens_details.cached_tokens > 0.6 * two.usage.prompt_tokens
-    s.stop()
-    store = Store.open(tmp_path / "home" / "localchat.db")
-    (conv,) = store.list()
-    roles = [(m.role, bool(m.extra)) for m in store.messages(conv)]
-    assert roles == [("user", False), ("assistant", True), ("tool", True), ("assistant", False)]
-
-
-def test_anthropic_tool_use_and_results(server, tool_model, tmp_path):
-    s = server(model=tool_model, scripted=[CALL, "It is sunny in Seoul."])
-    client = s.anthropic()
-    tools = [{"name": "get_weather", "description": "The weather in a city",
-              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
-    history = [{"role": "user", "content": "What is the weather in Seoul?"}]
-    with client.messages.stream(model="localchat", max_tokens=256, tools=tools,
-                                messages=history, extra_body={"temperature": 0}) as stream:
-        one = stream.get_final_message()
-    assert one.stop_reason == "tool_use"
-    use = next(b for b in one.content if b.type == "tool_use")
-    assert use.name == "get_weather" and use.input == {"city": "Seoul"}
-    history += [{"role": "assistant", "content": [{"type": "tool_use", "id": use.id,
-                                                   "name": use.name, "input": use.input}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
-                                              "content": "sunny, 21 C"}]}]
-    two = client.messages.create(model="localchat", max_tokens=256, tools=tools,
-                                 messages=history, extra_body={"temperature": 0})
-    assert two.content[0].text == "It is sunny in Seoul." and two.stop_reason == "end_turn"
-    assert two.usage.cache_read_input_tokens > 0
-    s.stop()
-
-
-def test_tools_for_a_model_without_tool_calling_are_refused(server):
-    s = server("llama")
-    status, body = post(f"{s.url}/v1/chat/completions", json.dumps({
-        "model": "localchat", "tools": WEATHER,
-        "messages": [{"role": "user", "content": "hi"}]}))
-    assert status == 400 and "has no tool calling" in body["error"]["message"]
     s.stop()

@@ -9,7 +9,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import Server, post
+from serving import Server, post
 
 from localchat.generation import Streamed
 from localchat.server import anthropic_api, openai_api
