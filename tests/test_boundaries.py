@@ -172,12 +172,13 @@ async def test_the_app_follows_other_processes(home, engine):
         assert "renamed-elsewhere" in sidebar_names(app)
         assert [shown(m) for m in app.query(UserMessage)] == ["hello", "from ask"]
         # Deleted while a message waits in the box: Enter keeps the text, nothing is written.
-        Conversations.at_home(other).delete(other.get("renamed-elsewhere"))
         # The same id and name given to a new conversation must not take the app's turn.
-        twin = other.create("renamed-elsewhere", mine.model)
+        # (Enter is handled at once, before the app's next poll could notice the delete.)
         composer = app.query_one(Composer)
         composer.text = "into the void?"
-        await pilot.press("enter")
+        Conversations.at_home(other).delete(other.get("renamed-elsewhere"))
+        twin = other.create("renamed-elsewhere", mine.model)
+        app.submitted(Composer.Submitted(composer, composer.text))
         await settle(app, pilot)
         assert other.messages(twin) == []
         assert composer.text == "into the void?"
