@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    add_thinking_flag(a)
+    a.add_argument("--show-thinking", action="store_true",
+                   help="print a reasoning model's thinking before its answer")
     add_kv_flags(a)
     add_cluster_flags(a)
     edit = a.add_mutually_exclusive_group()
@@ -169,6 +172,23 @@ def add_kv_flags(p: argparse.ArgumentParser, which: str = "for the conversation"
                         "remembered; refused if it fails the model's quality gate")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=None,
                    metavar="{32,64,128}", help="quantization group (default: from head dim)")
+
+
+def add_thinking_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="whether a reasoning model thinks first (the template's switch; "
+                        "remembered by the conversation)")
+
+
+def thinking_setting(session, args) -> bool | None:
+    """The --thinking flag as a setting; a notice when the model's template has no switch."""
+    choice = getattr(args, "thinking", None)
+    if choice is None:
+        return None
+    if not session.engine.thinking_switch:
+        say(f"{session.model_name}'s chat template has no thinking switch; --thinking "
+            "changes nothing")
+    return choice == "on"
 
 
 def add_cluster_flags(p: argparse.ArgumentParser) -> None:
@@ -293,7 +313,8 @@ def cmd_ask(args) -> int:
         raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
     session = session_for(args.model or (known.model if known else None), args)
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
-                                kv_group=args.kv_group_size)
+                                kv_group=args.kv_group_size,
+                                thinking=thinking_setting(session, args))
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
@@ -305,9 +326,10 @@ def cmd_ask(args) -> int:
         events = session.edit_last(conv, prompt, options, cancel)
     else:
         events = session.turn(conv, prompt, options, cancel)
-    finished = _print_turn(events, args.json, cancel)
+    finished = _print_turn(events, args.json, cancel, args.show_thinking)
     if args.json:
         out = {"conversation": conv.name, "reply": finished.reply,
+               **({"reasoning": finished.reasoning} if finished.reasoning else {}),
                "usage": finished.usage.public()}
         if finished.stopped:
             out["stopped"] = True
@@ -322,17 +344,28 @@ def cmd_ask(args) -> int:
     return 130 if finished.stopped else 0
 
 
-def _print_turn(events, as_json: bool, cancel):
-    """Stream a turn's events to stdout/stderr; return its TurnFinished."""
-    from .events import Notice, PrefillProgress, ReplyChunk, TurnFinished
+def _print_turn(events, as_json: bool, cancel, show_thinking: bool = False):
+    """Stream a turn's events to stdout/stderr; return its TurnFinished. A reasoning model's
+    thinking is printed only with ``show_thinking`` (before the answer, a blank line apart)."""
+    from .events import Notice, PrefillProgress, ReasoningChunk, ReplyChunk, TurnFinished
 
     progress = StatusLine(enabled=sys.stderr.isatty())
     finished = None
+    thought = False
     with _GracefulInterrupt(cancel.set):
         for ev in events:
-            if isinstance(ev, ReplyChunk):
+            if isinstance(ev, ReasoningChunk):
+                progress.clear()
+                if show_thinking and not as_json:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    thought = True
+            elif isinstance(ev, ReplyChunk):
                 progress.clear()
                 if not as_json:
+                    if thought:  # the answer starts after the thinking
+                        sys.stdout.write("\n\n")
+                        thought = False
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()
             elif isinstance(ev, PrefillProgress):

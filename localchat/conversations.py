@@ -44,7 +44,8 @@ class Conversations:
     def find_or_create(self, name: str | None, model: str, system: str | None = None,
                        **settings) -> Conversation:
         """The conversation ``name`` (created if new; a fresh name if None) set to ``model``
-        and, when given, to ``system`` and ``settings`` (``kv_bits``, ``kv_group``)."""
+        and, when given, to ``system`` and ``settings`` (``kv_bits``, ``kv_group``,
+        ``thinking``)."""
         conv = self.store.find(name) if name else None
         changes = dict(settings)
         if conv is None:
@@ -95,6 +96,8 @@ class Conversations:
             new = self.store.create(name, conv.model, conv.system)
             if conv.kv_bits:
                 new = self.store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
+            if conv.thinking is not None:
+                new = self.store.update(new, thinking=conv.thinking)
             for m in messages[:at]:
                 self.store.add_message(new, m.role, m.content, m.partial, m.extra)
             written = 0

@@ -194,7 +194,8 @@ class Engine:
     # -- text ------------------------------------------------------------------------------
 
     def render(self, messages: list[dict], prior: list[int] | None = None,
-               generation_prompt: bool = True, tools: list[dict] | None = None) -> list[int]:
+               generation_prompt: bool = True, tools: list[dict] | None = None,
+               thinking: bool | None = None) -> list[int]:
         """Token ids of the whole conversation, chat template applied, ready for a reply.
 
         ``prior``: the token ids this conversation was last fed (the cache's token list).
@@ -203,7 +204,8 @@ class Engine:
         re-tokenize differently from the ids that were generated (non-canonical pieces,
         byte-level Korean) keeps its ids, so the next turn does not prefill it again. The
         ids are the conversation's; ``--no-cache`` uses the same ones. ``tools``: function
-        tools the template lists for the model (OpenAI's shape).
+        tools the template lists for the model (OpenAI's shape). ``thinking``: the template's
+        switch for a reasoning model (``enable_thinking``; None: its default).
         """
         from jinja2 import TemplateError
 
@@ -211,7 +213,8 @@ class Engine:
             try:
                 text = self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=generation_prompt, tokenize=False,
-                    **({"tools": tools} if tools else {}))
+                    **({"tools": tools} if tools else {}),
+                    **({"enable_thinking": thinking} if thinking is not None else {}))
             except TemplateError as err:  # roles in an order it refuses, say
                 raise BadInput(f"the model's chat template refuses these messages: {err}"
                                ) from None
@@ -252,6 +255,12 @@ class Engine:
     def _encode(self, text: str) -> list[int]:
         # verbose=False: no "longer than the maximum" warning; we check the context ourselves.
         return list(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+    @property
+    def thinking_switch(self) -> bool:
+        """Whether the chat template turns a reasoning model's thinking on and off."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "enable_thinking" in template
 
     def decode_text(self, ids: list[int]) -> str:
         """The exact text of ``ids`` (special tokens included, no space clean-up)."""

@@ -31,6 +31,13 @@ class ReplyChunk:
 
 
 @dataclass(frozen=True)
+class ReasoningChunk:
+    """A piece of what a reasoning model thinks before its answer (kept apart from it)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class DraftProgress:
     """How much of an unsent message is prefilled (``Drafts.prefill``).
 
@@ -66,12 +73,14 @@ class Usage:
     miss_reason: str  # why more than the new message was prefilled: "", "edited", ...
     checkpoints: bool = False  # the model has bounded layers: resumes from checkpoints
     draft_tokens: int = 0  # of cached_tokens: the message's, prefilled before it was sent
+    reasoning_tokens: int = 0  # of completion_tokens: the model's reasoning
 
     @classmethod
     def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
            t0: float, t_first: float, t_last: float, prefill_s: float, context_tokens: int,
            context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
-           miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0) -> Usage:
+           miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0,
+           reasoning_tokens: int = 0) -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
@@ -96,6 +105,7 @@ class Usage:
             miss_reason=miss_reason,
             checkpoints=checkpoints,
             draft_tokens=draft_tokens,
+            reasoning_tokens=reasoning_tokens,
         )
 
     @property
@@ -115,6 +125,7 @@ class Usage:
             "cache_bytes": self.cache_bytes,
             "bytes_written": self.bytes_written,
             "miss_reason": self.miss_reason,
+            **({"reasoning_tokens": self.reasoning_tokens} if self.reasoning_tokens else {}),
         }
 
 
@@ -128,6 +139,7 @@ class TurnFinished:
     #                       tool_calls
     stop_sequence: str | None = None  # the stop string that ended it
     tool_calls: tuple[dict, ...] = ()  # {"type": "function", "function": {name, arguments}}
+    reasoning: str = ""  # the model's reasoning before ``reply`` (a reasoning model's)
 
 
-Event = Notice | PrefillProgress | ReplyChunk | TurnFinished
+Event = Notice | PrefillProgress | ReasoningChunk | ReplyChunk | TurnFinished

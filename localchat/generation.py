@@ -2,7 +2,8 @@
 
 What it is: ``generate`` — the loop every turn runs (``Session.turn`` and ``complete``): it
 prefills ``new_tokens`` into a cache in chunks (``PrefillProgress``), decodes (``ReplyChunk``),
-captures the bounded layers' checkpoints one token before the reply and at its end, and keeps
+captures the bounded layers' checkpoints one token before the reply and at its end (and, for
+a reasoning model, where the reply starts: see ``reply_start``), and keeps
 in a ``Run`` exactly how many tokens the cache holds, so a stopped turn's cache matches its
 partial reply. Also the options and the stop signal a caller passes in, and the usage record.
 What it is not: where the cache comes from or goes (``turncache.py``) or the conversation
@@ -16,8 +17,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .engine import Engine, now
-from .events import Event, PrefillProgress, ReplyChunk, Usage
+from .events import Event, PrefillProgress, ReasoningChunk, ReplyChunk, Usage
 from .kvcache import kinds as ck
+from .replies import ReasoningStream, split_reasoning, thinking_markers
 from .turncache import Start
 
 
@@ -32,6 +34,7 @@ class TurnOptions:
     top_p: float = 1.0  # nucleus sampling when temp > 0 (1: off)
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     tools: tuple[dict, ...] = ()  # function tools the model may call (OpenAI's shape)
+    thinking: bool | None = None  # a reasoning model thinks (None: the conversation's setting)
 
 
 class Cancel:
@@ -64,6 +67,8 @@ class Run:
     finish: str = "stop"  # why it ended: stop (end of text), length, stop_sequence, cancelled,
     #                       tool_calls
     tool_calls: list[dict] = field(default_factory=list)  # parsed from the reply (``replies``)
+    reasoning: str = ""  # what the model thought before answering (``replies``)
+    reasoning_tokens: int = 0  # of ``generated``: those that were reasoning
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
 
 
@@ -81,29 +86,45 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         return engine.group.agree_any(cancel.is_set())
 
     bounded = bool(ck.bounded(cache))
+    markers = thinking_markers(engine)
+    # A reasoning model's template usually drops a reply's thinking when it renders the
+    # history again, so the next turn resumes where this reply (with the template's thinking
+    # prefix, when the prompt opens one) starts: bounded layers need a checkpoint there.
+    cut = reply_start(engine, markers, new_tokens) if bounded and markers else None
     run.fed = start.pos
     t = now()
-    prefill = engine.prefill(new_tokens, cache)
+    total = len(new_tokens)
     logits = None
-    while logits is None:
-        if stop():
-            run.stopped = True
-            run.prefill_s = now() - t
-            return
-        try:
-            done, total = next(prefill)
-        except StopIteration as fin:
-            logits = fin.value
-            break
-        run.fed = start.pos + done
-        if bounded and done == total - 1:
+    for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
+        prefill = engine.prefill(new_tokens[lo:hi], cache)
+        while True:
+            if stop():
+                run.stopped = True
+                run.prefill_s = now() - t
+                return
+            try:
+                done, _ = next(prefill)
+            except StopIteration as fin:
+                logits = fin.value
+                break
+            run.fed = start.pos + lo + done
+            if bounded and lo + done == total - 1:
+                run.checkpoints.append(ck.capture(cache, run.fed))
+            yield PrefillProgress(lo + done, total)
+        run.fed = start.pos + hi
+        if hi == cut:
             run.checkpoints.append(ck.capture(cache, run.fed))
-        yield PrefillProgress(done, total)
+            if hi < total:
+                yield PrefillProgress(hi, total)
     run.prefill_s = now() - t
     run.logits_ready = True
     run.fed = start.pos + len(new_tokens)
     detok = engine.detokenizer()
-    text = Streamed(options.stop)
+    text = Streamed(options.stop)  # the answer, cut at a stop string
+    # A template may open the reasoning in the prompt itself (``<think>\n`` at its end).
+    opened = bool(markers) and engine.decode_text(new_tokens[-8:]).rstrip().endswith(
+        markers[0])
+    thought = ReasoningStream(markers, inside=opened)
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
                              options.top_p):
         if run.t_first is None:
@@ -116,9 +137,15 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         run.t_last = now()
         if tok in engine.eos_ids:
             break
+        was_inside = thought.inside
         detok.add_token(tok)
-        piece = text.add(detok.last_segment)
+        reasoning, said = thought.add(detok.last_segment)
+        run.reasoning_tokens += was_inside or thought.inside  # (its markers count)
+        piece = text.add(said)
+        run.reasoning += reasoning
         run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)
+        if reasoning:
+            yield ReasoningChunk(reasoning)
         if piece:
             yield ReplyChunk(piece)
         if text.stop is not None:
@@ -132,17 +159,38 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
             run.fed += 1
             run.finish = "length"
     detok.finalize()
-    piece = text.end(detok.last_segment)
+    reasoning, said = thought.add(detok.last_segment)
+    held_reasoning, held_said = thought.end()
+    piece = text.end(said + held_said)
     run.reply = text.text
+    if reasoning + held_reasoning:
+        yield ReasoningChunk(reasoning + held_reasoning)
     if piece:
         yield ReplyChunk(piece)
     # Store what the ids decode to: the streaming detokenizer trims a leading space, and
     # the next turn keeps these ids only if the stored text renders back to them. A reply
-    # cut at a stop string is stored cut (the next turn's prefix match drops the rest).
+    # cut at a stop string is stored cut (the next turn's prefix match drops the rest). The
+    # reasoning is kept apart from the answer (``replies.split_reasoning``).
     ids = [t for t in run.generated if t not in engine.eos_ids]
-    run.reply = text.text if text.stop is not None or not ids else engine.decode_text(ids)
+    if ids and text.stop is None:
+        whole = engine.decode_text(ids)
+        run.reasoning, run.reply = split_reasoning(
+            markers, (markers[0] + whole) if opened else whole)
+    else:
+        run.reasoning = run.reasoning.strip()
     if bounded:
         run.checkpoints.append(ck.capture(cache, run.fed))
+
+
+def reply_start(engine: Engine, markers: tuple[str, str], new_tokens: list[int]) -> int:
+    """Where in ``new_tokens`` the next turn's rendering of this reply may start to differ:
+    at the thinking marker the template put at the end of the prompt (``<think>`` opened,
+    or an empty ``<think></think>`` when thinking is off), else after the whole prompt."""
+    mark = engine.encode(markers[0])
+    for at in range(len(new_tokens) - len(mark), max(0, len(new_tokens) - 16) - 1, -1):
+        if at > 0 and new_tokens[at:at + len(mark)] == mark:
+            return at
+    return len(new_tokens)
 
 
 class Streamed:
@@ -193,4 +241,5 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
         context_tokens=run.fed,
         context_length=engine.info().context_length, cache_bytes=cache_bytes,
         bytes_written=written, miss_reason=reason,
-        checkpoints=not engine.info().cut_anywhere, draft_tokens=draft)
+        checkpoints=not engine.info().cut_anywhere, draft_tokens=draft,
+        reasoning_tokens=run.reasoning_tokens)

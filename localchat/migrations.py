@@ -110,6 +110,10 @@ MIGRATIONS = [
     );
     CREATE INDEX turns_conversation ON turns (conversation_id);
     """,
+    # Whether a reasoning model thinks in this conversation (NULL: as its template says).
+    """
+    ALTER TABLE conversations ADD COLUMN thinking INTEGER;
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 

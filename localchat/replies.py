@@ -96,3 +96,99 @@ class ToolHold:
             return ""
         out, self.sent = self.text[self.sent:], len(self.text)
         return out
+
+
+# -- reasoning --------------------------------------------------------------------------------
+
+
+HARMONY = ("<|channel|>analysis<|message|>",  # gpt-oss: its analysis channel, then the final one
+           "<|end|><|start|>assistant<|channel|>final<|message|>")
+
+
+def thinking_markers(engine) -> tuple[str, str] | None:
+    """The model's reasoning markers (``<think>``, ``</think>`` or a channel's), from mlx-lm's
+    tokenizer wrapper, or gpt-oss's channels; None when the model does not think."""
+    tok = engine.tokenizer
+    if getattr(tok, "has_thinking", False):
+        return tok.think_start, tok.think_end
+    try:
+        vocab = tok.get_vocab()
+    except (AttributeError, TypeError):
+        return None
+    if "<|channel|>" in vocab and "<|message|>" in vocab:
+        return HARMONY
+    return None
+
+
+def split_reasoning(markers: tuple[str, str] | None, text: str) -> tuple[str, str]:
+    """(reasoning, answer) of a whole reply. The reasoning runs from the start marker (or
+    from the reply's start, when the template opened it in the prompt) to the end marker; a
+    reply cut before the end marker is all reasoning."""
+    if markers is None:
+        return "", text
+    start, end = markers
+    head, found, tail = text.partition(end)
+    if found:
+        at = head.find(start)
+        return (head[at + len(start):] if at >= 0 else head).strip(), tail.lstrip()
+    at = text.find(start)
+    if at >= 0:  # opened, never closed: a reply stopped while thinking
+        return text[at + len(start):].strip(), text[:at].strip()
+    return "", text
+
+
+class ReasoningStream:
+    """A streamed reply's pieces sorted into reasoning and answer as they come: text that may
+    be the start of a marker is held until the next piece says which it is."""
+
+    def __init__(self, markers: tuple[str, str] | None, inside: bool = False):
+        self.markers = markers
+        self.inside = inside  # the template opened the reasoning in the prompt
+        self.held = ""
+        self.seen_end = False
+        self.fresh = [True, True]  # nothing streamed yet of (reasoning, answer): trim spaces
+
+    def add(self, piece: str) -> tuple[str, str]:
+        """(reasoning, answer) to stream now."""
+        if self.markers is None:
+            return "", piece
+        start, end = self.markers
+        text, thought, said = self.held + piece, [], []
+        self.held = ""
+        while text:
+            marker = end if self.inside else (start if not self.seen_end else None)
+            if marker is None:
+                said.append(text)
+                break
+            at = text.find(marker)
+            if at >= 0:
+                (thought if self.inside else said).append(text[:at])
+                text = text[at + len(marker):]
+                if self.inside:
+                    self.seen_end = True
+                self.inside = not self.inside
+                continue
+            keep = _partial(text, marker)
+            (thought if self.inside else said).append(text[:len(text) - keep])
+            self.held = text[len(text) - keep:]
+            break
+        return self._trim(0, "".join(thought)), self._trim(1, "".join(said))
+
+    def end(self) -> tuple[str, str]:
+        out, self.held = self.held, ""
+        return (self._trim(0, out), "") if self.inside else ("", self._trim(1, out))
+
+    def _trim(self, which: int, text: str) -> str:
+        """The line breaks a template puts after ``<think>`` and ``</think>`` are not text."""
+        if self.fresh[which] and (which == 0 or self.seen_end):
+            text = text.lstrip()
+            self.fresh[which] = not text
+        return text
+
+
+def _partial(text: str, marker: str) -> int:
+    """How many trailing characters of ``text`` could begin ``marker``."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

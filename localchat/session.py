@@ -141,7 +141,8 @@ class Session:
     # -- conversations (on every rank) -----------------------------------------------------
 
     def conversation(self, name: str | None, *, system: str | None = None,
-                     kv_bits: int | None = None, kv_group: int | None = None) -> Conversation:
+                     kv_bits: int | None = None, kv_group: int | None = None,
+                     thinking: bool | None = None) -> Conversation:
         """The conversation ``name`` (created if new; a fresh name if None), set to this
         session's model and, when given, to ``system`` and to a KV cache setting.
 
@@ -149,6 +150,8 @@ class Session:
             kv_bits: 8 or 4 to store the conversation's K/V quantized, 0 for float16, None to
                 keep its setting. ``kv_group``: the group size (default: ``default_group`` of
                 the model's head dim). Checked against the model and the quality gate.
+            thinking: whether a reasoning model thinks first (the template's switch; None
+                keeps the conversation's setting).
         Raises:
             BadInput: a setting this model cannot take, or one that fails the gate.
         """
@@ -157,6 +160,8 @@ class Session:
             quant = kvquality.setting(self.engine, kv_bits, kv_group)
             settings = {"kv_bits": quant.bits if quant else None,
                         "kv_group": quant.group if quant else None}
+        if thinking is not None:
+            settings["thinking"] = thinking
         return self.conversations.find_or_create(name, self.model_name, system, **settings)
 
     def delete(self, conv: Conversation) -> None:
@@ -260,8 +265,9 @@ class Session:
         if not history or history[-1]["role"] not in ("user", "tool"):
             raise BadInput("nothing to answer: the conversation does not end with a user message")
         prior = self.cache.prior(conv, options.no_cache)
+        thinking = options.thinking if options.thinking is not None else conv.thinking
         tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens,
-                                                 list(options.tools) or None)
+                                                 list(options.tools) or None, thinking)
         for m in new:
             self.store.add_message(conv, m["role"], m["content"],
                                    extra={k: v for k, v in m.items()
@@ -276,6 +282,10 @@ class Session:
         if note.startswith("cache rebuilt"):
             yield Notice(note)
         start = self.cache.start(conv, prior, tokens, options.no_cache)
+        if start.changed.startswith("re-rendered") and any(
+                m.get("reasoning_content") for m in history):
+            start.changed = start.changed.replace(
+                "the conversation differs", "earlier reasoning dropped by the template,")
         if start.damaged:
             yield Notice(start.changed)
         parts = [note] if note else [
@@ -324,7 +334,7 @@ class Session:
         except StorageError:
             pass  # the record only feeds the cache view
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
-                           run.stop_sequence, tuple(run.tool_calls))
+                           run.stop_sequence, tuple(run.tool_calls), run.reasoning)
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
                  partial: bool) -> tuple[int, str]:
@@ -334,10 +344,11 @@ class Session:
         written (full disk, read-only or vanished folder, a kill) only costs a later prefill —
         the previous manifest still describes valid files.
         """
-        if run.reply or run.tool_calls:  # (a reply stopped before any text is not worth one)
+        if run.reply or run.tool_calls or run.reasoning:  # (a reply stopped before any text
+            extra = {**({"tool_calls": run.tool_calls} if run.tool_calls else {}),  # is not one)
+                     **({"reasoning_content": run.reasoning} if run.reasoning else {})}
             self.store.add_message(conv, "assistant", run.reply, partial=partial,
-                                   extra={"tool_calls": run.tool_calls} if run.tool_calls
-                                   else None)
+                                   extra=extra or None)
         fed = fed_candidates[:run.fed]
         written, note = self.cache.persist(conv, fed, start, run.checkpoints,
                                            self.sharing.shareable_ends(conv, fed))
@@ -398,11 +409,11 @@ class Session:
                            run.stop_sequence)
 
     def render_checked(self, messages: list[dict], max_tokens: int,
-                       prior: list[int] | None = None, tools: list[dict] | None = None
-                       ) -> tuple[list[int], int]:
+                       prior: list[int] | None = None, tools: list[dict] | None = None,
+                       thinking: bool | None = None) -> tuple[list[int], int]:
         """Token ids of ``messages`` ready for a reply, and the reply budget that fits."""
         info = self.engine.info()
-        tokens = self.engine.render(messages, prior, tools=tools)
+        tokens = self.engine.render(messages, prior, tools=tools, thinking=thinking)
         room = info.context_length - len(tokens)
         if room < 1:
             raise ContextFull(

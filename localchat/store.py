@@ -43,6 +43,11 @@ class Conversation:
     tokens: int
     kv_bits: int | None = None  # 8 or 4: the stored cache is quantized (see cachekinds)
     kv_group: int | None = None
+    thinking: bool | None = None  # a reasoning model thinks (None: as its template says)
+
+    def __post_init__(self) -> None:
+        if self.thinking is not None:  # (SQLite keeps it as 0 or 1)
+            object.__setattr__(self, "thinking", bool(self.thinking))
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,9 @@ class TurnRecord:
     @property
     def prefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+
+CONVERSATION = "id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking"
 
 
 class Store:
@@ -137,7 +145,7 @@ class Store:
 
     def get(self, name: str) -> Conversation:
         rows = self._rows(
-            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            f"SELECT {CONVERSATION}"
             " FROM conversations"
             " WHERE name = ?", (name,))
         row = rows[0] if rows else None
@@ -149,7 +157,7 @@ class Store:
         """``conv`` as stored now (renamed, changed by another process), or None when it was
         deleted. Ids can be reused after a delete; the creation time tells them apart."""
         rows = self._rows(
-            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            f"SELECT {CONVERSATION}"
             " FROM conversations WHERE id = ?", (conv.id,))
         return Conversation(*rows[0]) if rows and rows[0][4] == conv.created else None
 
@@ -185,7 +193,7 @@ class Store:
         if not ids:
             return []
         rows = self._rows(
-            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            f"SELECT {CONVERSATION}"
             f" FROM conversations WHERE id IN ({','.join('?' * len(ids))})", tuple(ids))
         return [Conversation(*r) for r in rows]
 
@@ -197,8 +205,7 @@ class Store:
         if not query:
             return []
         cols = ("m.id, m.seq, m.role, m.content, m.partial, m.created, m.extra, "
-                "c.id, c.name, c.model, c.system, c.created, c.updated, c.tokens, c.kv_bits, "
-                "c.kv_group")
+                + ", ".join(f"c.{c}" for c in CONVERSATION.split(", ")))
         if len(query) >= 3:
             phrase = '"' + query.replace('"', '""') + '"'
             rows = self._rows(
@@ -222,7 +229,7 @@ class Store:
 
     def list(self) -> list[Conversation]:
         rows = self._rows(
-            "SELECT id, name, model, system, created, updated, tokens, kv_bits, kv_group"
+            f"SELECT {CONVERSATION}"
             " FROM conversations"
             " ORDER BY updated DESC, id DESC")
         return [Conversation(*r) for r in rows]
@@ -246,7 +253,7 @@ class Store:
 
     def update(self, conv: Conversation, **fields) -> Conversation:
         """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""
-        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group"}
+        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:
@@ -318,10 +325,9 @@ class Store:
         with self._tx():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
             self.db.execute(
-                "INSERT INTO conversations (id, name, model, system, created, updated, tokens,"
-                " kv_bits, kv_group) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO conversations ({CONVERSATION}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
-                 conv.tokens, conv.kv_bits, conv.kv_group))
+                 conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking))
             self.db.executemany(
                 "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
                 " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -196,18 +196,46 @@ def _tokenizer_json() -> str:
     return tok.to_str(pretty=True)  # byte-identical to tiny.py's tokenizer.json
 
 
-def write_tokenizer(out: Path, *, context: int = CONTEXT) -> tuple[int, int]:
-    """Write tokenizer.json and tokenizer_config.json as tiny.py does; (vocab size, eos id)."""
-    from tokenizers import Tokenizer
+# A reasoning model's template, as Qwen3's: an earlier reply is rendered without its
+# ``<think>…</think>`` part; with thinking off the prompt ends in an empty thinking block, and
+# ``opens`` (QwQ, DeepSeek-R1, Qwen3.5 style) puts ``<think>`` at the end of the prompt.
+THINKING = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a tiny test model.<|im_end|>\\n' }}{% endif %}"
+    "{% set content = message['content'] %}"
+    "{% if message['role'] == 'assistant' and '</think>' in content %}"
+    "{% set content = content.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% elif OPENS %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+def write_tokenizer(out: Path, *, context: int = CONTEXT,
+                    thinking: str | None = None) -> tuple[int, int]:
+    """Write tokenizer.json and tokenizer_config.json as tiny.py does; (vocab size, eos id).
+    ``thinking``: "closed" or "opens" adds ``<think>``/``</think>`` (two more tokens) and the
+    ``THINKING`` template, its prompt closed or opening the thinking."""
+    from tokenizers import AddedToken, Tokenizer
 
     text = _tokenizer_json()
+    template = CHATML
+    if thinking:
+        tok = Tokenizer.from_str(text)
+        tok.add_special_tokens([AddedToken(t, special=True) for t in ("<think>", "</think>")])
+        text = tok.to_str(pretty=True)
+        template = THINKING.replace("OPENS", "true" if thinking == "opens" else "false")
     (out / "tokenizer.json").write_text(text)
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
         "unk_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
         "add_bos_token": False, "clean_up_tokenization_spaces": False,
-        "model_max_length": context, "chat_template": CHATML,
+        "model_max_length": context, "chat_template": template,
     }))
     tok = Tokenizer.from_str(text)
     return tok.get_vocab_size(), tok.token_to_id("<|im_end|>")
@@ -246,15 +274,17 @@ def _randomize(params: dict, *, std: float) -> dict:
     return out
 
 
-def build_family(name: str, out: Path, *, seed: int = 0, std: float = STD) -> Path:
-    """Write config.json, model.safetensors (float32) and the tokenizer files into out."""
+def build_family(name: str, out: Path, *, seed: int = 0, std: float = STD,
+                 thinking: str | None = None) -> Path:
+    """Write config.json, model.safetensors (float32) and the tokenizer files into out
+    (``thinking``: a reasoning model's tokenizer and template, see ``write_tokenizer``)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab, eos = write_tokenizer(out)
+    vocab, eos = write_tokenizer(out, thinking=thinking)
     config = family_config(name, vocab_size=vocab, eos_token_id=eos)
     (out / "config.json").write_text(json.dumps(config, indent=1))
 
