@@ -3,7 +3,8 @@
 Input lines (one JSON object each): ``{"id", "prompt"}``, ``{"id", "messages": [...]}`` or
 ``{"id", "conversation": NAME, "prompt"}``; optional ``"system"`` and ``"max_tokens"``.
 Output: exactly one line per input line, in input order, whatever the line holds:
-``{"id", "reply", "usage"}`` or ``{"id", "line", "error"}`` (``line``: its number in the
+``{"id", "reply", "usage"}`` (and ``"reasoning"``: a reasoning model's thinking, apart from
+the reply) or ``{"id", "line", "error"}`` (``line``: its number in the
 file); a bad line is its own error record and the run goes on. Lines that share a prefix
 (one long system prompt) prefill it once through a ``PrefixPool``; a ``conversation`` line is
 a normal turn of that saved conversation.
@@ -44,6 +45,7 @@ class BatchOptions:
     parallel: int = 1  # decode up to N consecutive prompt lines together
     kv_bits: int | None = None  # KV setting for the conversations of `conversation` lines
     kv_group: int | None = None
+    thinking: bool | None = None  # a reasoning model thinks (--thinking; None: as its template)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -96,29 +98,31 @@ def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
     ok = [job for job in group if job.line not in refused]
     outcomes = iter(complete_group(session, [job.messages for job in ok], pool,
                                    [job.max_tokens or options.max_tokens for job in ok],
-                                   options.temp) if ok else ())
+                                   options.temp, options.thinking) if ok else ())
     results = []
     for job in group:
         outcome = refused.get(job.line) or next(outcomes)
         if isinstance(outcome, (str, LocalchatError)):
             results.append(BatchResult(job.id, job.line, error=str(outcome)))
         else:
-            reply, usage = outcome
-            results.append(BatchResult(job.id, job.line, reply, usage))
+            reply, reasoning, usage = outcome
+            results.append(BatchResult(job.id, job.line, reply, usage, reasoning=reasoning))
     return results
 
 
 def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) -> BatchResult:
-    turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp)
+    turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp,
+                       thinking=options.thinking)
     try:
         if job.conversation is not None:
             conv = session.store.get(job.conversation)
             if conv.model != session.model_name:
                 raise BadInput(f"conversation {conv.name!r} uses model {conv.model}; "
                                f"run the batch with -m {conv.model}")
-            if options.kv_bits is not None:
+            if options.kv_bits is not None or options.thinking is not None:
                 conv = session.conversation(conv.name, kv_bits=options.kv_bits,
-                                            kv_group=options.kv_group)
+                                            kv_group=options.kv_group,
+                                            thinking=options.thinking)
             events = session.turn(conv, job.prompt, turn)
         else:
             _check_template(session.engine, job.messages)
@@ -127,7 +131,8 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
             if isinstance(ev, Notice) and notice is not None:
                 notice(job.line, ev.text)
             elif isinstance(ev, TurnFinished):
-                return BatchResult(job.id, job.line, ev.reply, ev.usage)
+                return BatchResult(job.id, job.line, ev.reply, ev.usage,
+                                   reasoning=ev.reasoning)
     except LocalchatError as err:
         return BatchResult(job.id, job.line, error=str(err))
     return BatchResult(job.id, job.line, error="no reply")

@@ -63,12 +63,15 @@ class BatchResult:
     reply: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    reasoning: str = ""  # a reasoning model's thinking, apart from the reply
 
     def to_json(self) -> dict:
         """The output object, writable as strict JSON in UTF-8 (``allow_nan=False``)."""
         if self.error is not None:
             return {"id": _writable(self.id), "line": self.line, "error": _one_line(self.error)}
-        return {"id": self.id, "reply": self.reply, "usage": self.usage.public()}
+        return {"id": self.id, "reply": self.reply,
+                **({"reasoning": self.reasoning} if self.reasoning else {}),
+                "usage": self.usage.public()}
 
 
 # -- reading ---------------------------------------------------------------------------------

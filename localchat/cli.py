@@ -10,6 +10,7 @@ shows it). Run ``localchat --help`` or ``python -m localchat --help``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -120,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
+    add_thinking_flag(b)
     add_cluster_flags(b)
 
     ls = add("list", cmd_list)
@@ -127,6 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = add("show", cmd_show)
     s.add_argument("name", metavar="NAME")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--show-thinking", action="store_true",
+                   help="print a reasoning model's thinking before each reply")
     se = add("search", cmd_search)
     se.add_argument("query", metavar="QUERY")
     se.add_argument("--json", action="store_true")
@@ -134,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = add("export", cmd_export)
     e.add_argument("name", metavar="NAME")
     e.add_argument("--format", choices=["md", "json"], default="md")
+    e.add_argument("--no-thinking", action="store_true",
+                   help="leave out a reasoning model's thinking")
     r = add("rm", cmd_rm)
     r.add_argument("name", metavar="NAME")
     f = add("fork", cmd_fork)
@@ -413,6 +419,7 @@ def cmd_batch(args) -> int:
     skip = done_ids(out_path) if (args.resume and out_path) else set()
     items = parse_lines(lines, skip)
     session = session_for(args.model, args)
+    options = dataclasses.replace(options, thinking=thinking_setting(session, args))
 
     def notice(line: int, text: str) -> None:
         if not args.quiet:

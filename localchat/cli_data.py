@@ -53,17 +53,26 @@ def cmd_list(args) -> int:
     return 0
 
 
-def _messages_json(store, conv) -> dict:
+def _messages_json(store, conv, thinking: bool = True) -> dict:
+    """The conversation as chat messages; a reply's thinking is its ``reasoning_content``
+    (left out when not ``thinking``)."""
     return {
         "name": conv.name,
         "model": conv.model,
         "system": conv.system,
         "messages": [
-            {"role": m.role, "content": m.content, **(m.extra or {}),
+            {"role": m.role, "content": m.content,
+             **{k: v for k, v in (m.extra or {}).items()
+                if thinking or k != "reasoning_content"},
              **({"partial": True} if m.partial else {})}
             for m in store.messages(conv)
         ],
     }
+
+
+def _thought(m) -> str:
+    value = (m.extra or {}).get("reasoning_content")
+    return value if isinstance(value, str) else ""
 
 
 def cmd_show(args) -> int:
@@ -79,6 +88,8 @@ def cmd_show(args) -> int:
         print(f"[system] {shown(conv.system)}\n")
     for m in store.messages(conv):
         mark = " (stopped)" if m.partial else ""
+        if args.show_thinking and _thought(m):
+            print(f"[{m.role} · thinking] {shown(_thought(m))}\n")
         print(f"[{m.role}]{mark} {shown(m.content)}\n")
     return 0
 
@@ -105,11 +116,13 @@ def cmd_search(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write a conversation as Markdown (default) or JSON to stdout."""
+    """Write a conversation as Markdown (default) or JSON to stdout; a reasoning model's
+    thinking is included (folded in Markdown) unless --no-thinking."""
     store = open_store()
     conv = store.get(args.name)
     if args.format == "json":
-        print(json.dumps(_messages_json(store, conv), ensure_ascii=False, indent=2))
+        print(json.dumps(_messages_json(store, conv, not args.no_thinking), ensure_ascii=False,
+                         indent=2))
         return 0
     print(f"# {conv.name}\n\n_model: {conv.model}_\n")
     if conv.system:
@@ -118,7 +131,10 @@ def cmd_export(args) -> int:
         who = {"user": "You", "assistant": "Assistant", "system": "System",
                "tool": "Tool result"}[m.role]
         mark = " _(stopped)_" if m.partial else ""
-        print(f"## {who}{mark}\n\n{m.content}\n")
+        print(f"## {who}{mark}\n")
+        if _thought(m) and not args.no_thinking:  # folded, as Markdown viewers show <details>
+            print(f"<details><summary>Thinking</summary>\n\n{_thought(m)}\n\n</details>\n")
+        print(f"{m.content}\n")
     return 0
 
 

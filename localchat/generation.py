@@ -121,9 +121,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     run.fed = start.pos + len(new_tokens)
     detok = engine.detokenizer()
     text = Streamed(options.stop)  # the answer, cut at a stop string
-    # A template may open the reasoning in the prompt itself (``<think>\n`` at its end).
-    opened = bool(markers) and engine.decode_text(new_tokens[-8:]).rstrip().endswith(
-        markers[0])
+    opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
                              options.top_p):
@@ -180,6 +178,12 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         run.reasoning = run.reasoning.strip()
     if bounded:
         run.checkpoints.append(ck.capture(cache, run.fed))
+
+
+def opened_in_prompt(engine: Engine, markers: tuple[str, str] | None,
+                     tokens: list[int]) -> bool:
+    """Whether the template opened the reasoning at the end of the prompt (``<think>\n``)."""
+    return bool(markers) and engine.decode_text(tokens[-8:]).rstrip().endswith(markers[0])
 
 
 def reply_start(engine: Engine, markers: tuple[str, str], new_tokens: list[int]) -> int:

@@ -17,16 +17,19 @@ from collections.abc import Iterable
 from .engine import now
 from .errors import LocalchatError
 from .events import Usage
+from .generation import opened_in_prompt
 from .kvcache.folder import common_prefix
 from .kvcache.prefixes import PrefixPool
+from .replies import split_reasoning, thinking_markers
 from .session import Session
 
 
 def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
-                   max_tokens: list[int], temp: float
-                   ) -> Iterable[tuple[str, Usage] | LocalchatError]:
-    """Replies for ``chats`` decoded together; the error in place of a line that failed (one
-    that does not fit the context). The chats are checked lines (``batch.py``)."""
+                   max_tokens: list[int], temp: float, thinking: bool | None = None
+                   ) -> Iterable[tuple[str, str, Usage] | LocalchatError]:
+    """(reply, reasoning, usage) for ``chats`` decoded together; the error in place of a line
+    that failed (one that does not fit the context). The chats are checked lines
+    (``batch.py``); ``thinking``: the template's switch (``TurnOptions.thinking``)."""
     from mlx_lm.generate import batch_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -34,7 +37,7 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     rendered: list[tuple[list[int], int] | LocalchatError] = []
     for chat, limit in zip(chats, max_tokens):
         try:
-            rendered.append(session.render_checked(chat, limit))
+            rendered.append(session.render_checked(chat, limit, thinking=thinking))
         except LocalchatError as err:  # becomes this line's error record
             rendered.append(err)
     ok = [r for r in rendered if not isinstance(r, LocalchatError)]
@@ -53,6 +56,7 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
                          sampler=make_sampler(temp))
     stats = out.stats
     info = engine.info()
+    markers = thinking_markers(engine)
     results, i = [], 0
     for r in rendered:
         if isinstance(r, LocalchatError):
@@ -68,10 +72,25 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
             t_first=t_first, t_last=t_first + max(n_gen - 1, 0) / max(stats.generation_tps, 1e-9),
             prefill_s=stats.prompt_time * (len(tokens) - ks[i]) / max(stats.prompt_tokens, 1),
             context_tokens=len(tokens) + len(ids), context_length=info.context_length,
-            miss_reason="" if ks[i] else "no shared prefix")
-        results.append((engine.tokenizer.decode(ids), usage))
+            miss_reason="" if ks[i] else "no shared prefix",
+            reasoning_tokens=_thought(engine, markers, ids))
+        text = engine.tokenizer.decode(ids)
+        opened = opened_in_prompt(engine, markers, tokens)
+        reasoning, reply = split_reasoning(markers, (markers[0] + text) if opened else text)
+        results.append((reply, reasoning, usage))
         i += 1
     return results
+
+
+def _thought(engine, markers: tuple[str, str] | None, ids: list[int]) -> int:
+    """How many of a reply's ``ids`` are its reasoning (to its end marker, included)."""
+    if not markers:
+        return 0
+    end = engine.encode(markers[1])
+    for at in range(len(ids) - len(end) + 1):
+        if ids[at:at + len(end)] == end:
+            return at + len(end)
+    return 0
 
 
 def _seed_pool(engine, pool: PrefixPool, prompts: list[list[int]]) -> None:

@@ -387,7 +387,8 @@ class Session:
             self.group.finish()
 
     def _complete(self, messages, pool, options, cancel, t0):
-        tokens, max_tokens = self.render_checked(messages, options.max_tokens)
+        tokens, max_tokens = self.render_checked(messages, options.max_tokens,
+                                                 thinking=options.thinking)
         k, cache, snaps = pool.take(tokens)
         if k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
             donor = self.sharing.find_donor(self.engine.layout(), tokens)
@@ -406,7 +407,7 @@ class Session:
         reason = "" if start.pos else "no shared prefix"
         usage = usage_of(self.engine, tokens, start.pos, run, t0, reason=reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
-                           run.stop_sequence)
+                           run.stop_sequence, reasoning=run.reasoning)
 
     def render_checked(self, messages: list[dict], max_tokens: int,
                        prior: list[int] | None = None, tools: list[dict] | None = None,

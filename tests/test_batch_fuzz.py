@@ -236,10 +236,10 @@ class StubSession:
         yield TurnFinished(prompt, USAGE, False)
 
 
-def stub_group(session, chats, pool, max_tokens, temp):
+def stub_group(session, chats, pool, max_tokens, temp, thinking=None):
     """``parallel.complete_group`` without a model: the same answers as StubSession."""
     return [ContextFull("stub holds 64") if c[-1]["content"] == TOO_LONG
-            else (c[-1]["content"], USAGE) for c in chats]
+            else (c[-1]["content"], "", USAGE) for c in chats]
 
 
 def run_cli(args: list[str], parallel: int = 1) -> tuple[int, str]:

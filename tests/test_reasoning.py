@@ -43,11 +43,17 @@ def built(tmp_path_factory):
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Make every decode think for a few tokens first: ``forced(engine, opens)``."""
+    """Make every decode think for a few tokens first: ``forced(engine, opens)``;
+    ``forced(engine, on=False)``: mlx-lm's own sampler again."""
     import mlx.core as mx
     import mlx_lm.sample_utils as su
 
-    def force(engine: Engine, opens: bool) -> None:
+    original = su.make_sampler
+
+    def force(engine: Engine, opens: bool = False, on: bool = True) -> None:
+        if not on:
+            monkeypatch.setattr(su, "make_sampler", original)
+            return
         vocab = engine.tokenizer.get_vocab()
         start, end = vocab["<think>"], vocab["</think>"]
         banned = [start, end, *engine.eos_ids]
@@ -57,10 +63,11 @@ def forced(monkeypatch):
 
             def sample(logits):
                 n = next(step)
+                rows = logits.shape[0]  # (batch --parallel decodes several together)
                 if n == 0 and not opens:
-                    return mx.array([start])
+                    return mx.full((rows,), start)
                 if n == THINK_STEPS:
-                    return mx.array([end])
+                    return mx.full((rows,), end)
                 masked = logits
                 if n < THINK_STEPS + 3:  # no end of text while it thinks, nor just after
                     masked = logits.at[..., banned].add(-1e9)
@@ -217,3 +224,64 @@ def test_split_reasoning_of_plain_and_cut_replies():
     assert split_reasoning(m, "<think>\nhmm\n</think>\n\nParis.") == ("hmm", "Paris.")
     assert split_reasoning(HARMONY, HARMONY[0] + "the user asks" + HARMONY[1] + "Paris.") == (
         "the user asks", "Paris.")
+
+
+def test_ask_batch_show_and_export_keep_the_reasoning_apart(
+        home, built, forced, capsys, tmp_path):
+    from localchat.cli import main
+
+    engine = built("llama")
+    folder = str(engine.ref.path)
+    forced(engine, opens=False)
+    assert main(["ask", "-m", folder, "-c", "r", "--max-tokens", "12", "--json", "Hello"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["reasoning"] and "<think>" not in out["reply"] + out["reasoning"]
+    assert out["usage"]["reasoning_tokens"] == THINK_STEPS + 1
+    # Plain ask prints the answer only; --show-thinking puts the thinking first.
+    assert main(["ask", "-m", folder, "-c", "q", "--max-tokens", "12", "Hello"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["ask", "-m", folder, "-c", "q2", "--max-tokens", "12", "--show-thinking",
+                 "Hello"]) == 0
+    shown = capsys.readouterr().out
+    assert out["reasoning"] not in plain and plain.strip() == out["reply"].strip()
+    assert shown.startswith(out["reasoning"]) and shown.rstrip().endswith(out["reply"].strip())
+
+    lines = tmp_path / "in.jsonl"
+    lines.write_text(json.dumps({"id": 1, "prompt": "Hello"}) + "\n"
+                     + json.dumps({"id": 2, "conversation": "r", "prompt": "More"}) + "\n")
+    assert main(["batch", str(lines), "-m", folder, "--max-tokens", "12", "--quiet"]) == 0
+    results = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert results[0]["reasoning"] == out["reasoning"] and results[0]["reply"] == out["reply"]
+    assert results[1]["reasoning"] and "<think>" not in results[1]["reply"]
+    two = tmp_path / "two.jsonl"
+    two.write_text(json.dumps({"id": 1, "prompt": "Hello"}) + "\n"
+                   + json.dumps({"id": 2, "prompt": "Hello there"}) + "\n")
+    assert main(["batch", str(two), "-m", folder, "--max-tokens", "12", "--quiet",
+                 "--parallel", "2"]) == 0
+    both = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert all(r["reasoning"] and "<think>" not in r["reply"] + r["reasoning"] for r in both)
+    assert both[0]["usage"]["reasoning_tokens"] == THINK_STEPS + 1
+    forced(engine, on=False)  # (a model told not to think does not open a thought)
+    assert main(["batch", str(lines), "-m", folder, "--max-tokens", "12", "--quiet",
+                 "--thinking", "off"]) == 0
+    off = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert "reasoning" not in off[0] and "reasoning" not in off[1]
+    assert off[0]["usage"]["prompt_tokens"] > results[0]["usage"]["prompt_tokens"]  # its block
+    store = Store.open(paths.database_path())
+    assert store.get("r").thinking is False  # a conversation line keeps the batch's switch
+    store.close()
+
+    assert main(["show", "q", "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)["messages"][-1]
+    assert stored["reasoning_content"] == out["reasoning"]
+    assert main(["show", "q", "--show-thinking"]) == 0
+    assert f"[assistant · thinking] {out['reasoning']}" in capsys.readouterr().out
+    assert main(["show", "q"]) == 0
+    assert out["reasoning"] not in capsys.readouterr().out
+    assert main(["export", "q"]) == 0
+    md = capsys.readouterr().out
+    assert "<details><summary>Thinking</summary>" in md and out["reasoning"] in md
+    assert main(["export", "q", "--no-thinking"]) == 0
+    assert out["reasoning"] not in capsys.readouterr().out
+    assert main(["export", "q", "--format", "json", "--no-thinking"]) == 0
+    assert "reasoning_content" not in capsys.readouterr().out
