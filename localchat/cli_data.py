@@ -63,11 +63,14 @@ def _messages_json(store, conv, thinking: bool = True) -> dict:
         "messages": [
             {"role": m.role, "content": m.content,
              **{k: v for k, v in (m.extra or {}).items()
-                if thinking or k != "reasoning_content"},
+                if thinking or k not in REASONING},
              **({"partial": True} if m.partial else {})}
             for m in store.messages(conv)
         ],
     }
+
+
+REASONING = ("reasoning_content", "reasoning_tokens", "thinking_seconds")
 
 
 def _thought(m) -> str:

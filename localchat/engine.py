@@ -51,6 +51,7 @@ class ModelInfo:
     context_length: int
     cut_anywhere: bool  # growing layers only: the cache can be cut at any position
     unknown: tuple[str, ...]  # cache classes localchat does not know: no disk cache
+    thinking_switch: bool = False  # the chat template turns a reasoning model's thinking off
 
 
 class Engine:
@@ -179,6 +180,7 @@ class Engine:
             context_length=int(ctx),
             cut_anywhere=all(s.kind == ck.GROWING for s in specs),
             unknown=unknown,
+            thinking_switch=self.thinking_switch,
         )
 
     def layout(self, quant: ck.KVQuant | None = None) -> Layout:

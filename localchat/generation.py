@@ -69,6 +69,7 @@ class Run:
     tool_calls: list[dict] = field(default_factory=list)  # parsed from the reply (``replies``)
     reasoning: str = ""  # what the model thought before answering (``replies``)
     reasoning_tokens: int = 0  # of ``generated``: those that were reasoning
+    thinking_s: float = 0.0  # from the first token to the end of the reasoning
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
 
 
@@ -139,6 +140,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         detok.add_token(tok)
         reasoning, said = thought.add(detok.last_segment)
         run.reasoning_tokens += was_inside or thought.inside  # (its markers count)
+        if was_inside or thought.inside:
+            run.thinking_s = now() - run.t_first
         piece = text.add(said)
         run.reasoning += reasoning
         run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)

@@ -346,7 +346,9 @@ class Session:
         """
         if run.reply or run.tool_calls or run.reasoning:  # (a reply stopped before any text
             extra = {**({"tool_calls": run.tool_calls} if run.tool_calls else {}),  # is not one)
-                     **({"reasoning_content": run.reasoning} if run.reasoning else {})}
+                     **({"reasoning_content": run.reasoning,  # (and what it took, shown by
+                         "reasoning_tokens": run.reasoning_tokens,  # the app's fold)
+                         "thinking_seconds": round(run.thinking_s, 1)} if run.reasoning else {})}
             self.store.add_message(conv, "assistant", run.reply, partial=partial,
                                    extra=extra or None)
         fed = fed_candidates[:run.fed]

@@ -285,3 +285,56 @@ def test_ask_batch_show_and_export_keep_the_reasoning_apart(
     assert out["reasoning"] not in capsys.readouterr().out
     assert main(["export", "q", "--format", "json", "--no-thinking"]) == 0
     assert "reasoning_content" not in capsys.readouterr().out
+
+
+async def test_the_app_folds_the_thinking_above_the_answer_and_switches_it(home, built):
+    from fakes import ScriptedEngine
+    from test_tui import replies, settle, status_text, type_and_send
+
+    from localchat.tui.app import LocalchatApp
+    from localchat.tui.chatview import ChatView, ThinkingBlock
+    from localchat.tui.composer import Composer
+
+    engine = built("llama")
+    scripted = ScriptedEngine(engine, ["<think>\nThe user asks [/b] about France.\n</think>"
+                                       "\n\nParis is the capital.", "No thinking here."])
+    app = LocalchatApp(load_engine=lambda name, progress: scripted)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "What is the capital of France?")
+        await settle(app, pilot)
+        block = app.query_one(ThinkingBlock)
+        assert block.collapsed and block.text == "The user asks [/b] about France."
+        assert block.title.startswith("Thought for ") and block.title.endswith(" tokens")
+        assert replies(app) == ["Paris is the capital."]  # the answer alone, below it
+        chat = app.query_one(ChatView)
+        assert chat.children.index(block) == chat.children.index(
+            app.query("AssistantMessage").last()) - 1
+        assert "(thinking " in status_text(app)
+        await pilot.click(block._title.__class__)  # click unfolds, Enter folds again
+        await pilot.pause()
+        assert not block.collapsed
+        block._title.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert block.collapsed
+        stored = app.store.messages(app.current)[-1]
+        assert stored.content == "Paris is the capital."
+        assert stored.extra["reasoning_content"] == block.text
+        # The palette's switch: stored on the conversation, and the next turn renders it.
+        app.action_toggle_thinking()
+        assert app.store.get(app.current.name).thinking is False
+        app.query_one(Composer).focus()
+        await type_and_send(pilot, "And Korea?")
+        await settle(app, pilot)
+        fed = json.loads((paths.kv_root() / str(app.current.id) / "manifest.json"
+                          ).read_text())["tokens"]
+        assert "<|im_start|>assistant\n<think>\n\n</think>\n\nNo thinking here." in \
+            engine.decode_text(fed)
+        assert len(app.query(ThinkingBlock)) == 1
+        # Opened again later: the stored thinking is drawn folded.
+        chat.show(app.store.messages(app.current))
+        await pilot.pause()
+        again = app.query(ThinkingBlock)
+        assert len(again) == 1 and again.first().collapsed
+        assert again.first().title == block.title  # what it took is kept with the reply

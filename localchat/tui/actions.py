@@ -1,6 +1,6 @@
 """The app's commands (key bindings and the command palette): stop, new, regenerate, edit,
-rename, delete, branch, system prompt, model, help. A mixin of ``LocalchatApp``; each acts on
-the app's current conversation and its session.
+rename, delete, branch, system prompt, model, thinking on/off, help. A mixin of
+``LocalchatApp``; each acts on the app's current conversation and its session.
 
 The session belongs to the MLX thread: a delete or a branch goes through it (after a draft's
 chunk, never beside a turn); before a model is loaded there is no session, and the
@@ -172,6 +172,20 @@ class Actions:
 
         self.push_screen(ModelScreen(names), done)
 
+    def action_toggle_thinking(self) -> None:
+        """This conversation's thinking switch (a reasoning model's template renders it)."""
+        if self.dialog_open or self.current is None:
+            return
+        on = self.current.thinking is False
+        self.current = self.store.update(self.current, thinking=on)
+        if self.thinking_switch is False:
+            self.notify("this model's chat template has no thinking switch; the setting "
+                        "applies to models whose template has one", severity="warning")
+        else:
+            self.notify("thinking on for this conversation" if on
+                        else "thinking off for this conversation")
+        self.drafts.schedule()  # the next prompt renders differently
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -214,6 +228,11 @@ class Actions:
             "Draft prefill: " + ("turn off" if self.drafts.enabled else "turn on"),
             "Prefill the message while you type, so the reply starts at once "
             "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
+        yield SystemCommand(
+            "Thinking: " + ("turn on" if self.current and self.current.thinking is False
+                            else "turn off"),
+            "Whether a reasoning model thinks before it answers, in this conversation",
+            self.action_toggle_thinking)
         yield SystemCommand("Cache view", "What this conversation's cache holds and what "
                             "each turn saved", self.action_cache)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)

@@ -31,7 +31,7 @@ from textual.widgets import Markdown as MarkdownWidget
 from .. import crashlog, paths
 from ..engine import Engine
 from ..errors import LocalchatError
-from ..events import Notice, PrefillProgress, ReplyChunk, TurnFinished
+from ..events import Notice, PrefillProgress, ReasoningChunk, ReplyChunk, TurnFinished
 from ..fmt import visible
 from ..models import DEFAULT_MODEL
 from ..session import (
@@ -51,6 +51,7 @@ from .messages import (
     ModelLoaded,
     ModelProgressed,
     PrefillAdvanced,
+    ReasoningStreamed,
     ReplyStreamed,
     TurnFailed,
     TurnFinishedMsg,
@@ -98,6 +99,9 @@ class LocalchatApp(Actions, App):
         self.busy = False
         self.editing = False
         self._stream = None
+        self.thinking_switch: bool | None = None  # the loaded model's template has one
+        self._reply = None  # the reply being streamed (its widget) and its thinking block
+        self._thinking = None
         self._loaded_model: str | None = None
         self._cancel: Cancel | None = None  # the running turn's
         self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill
@@ -267,6 +271,7 @@ class LocalchatApp(Actions, App):
         self.busy = False
         # Store the resolved name (an absolute folder, say), as `ask` does.
         self._loaded_model = msg.info.name
+        self.thinking_switch = msg.info.thinking_switch
         if self.current and self.current.model != msg.info.name:
             self.current = self.store.update(self.current, model=msg.info.name)
         status = self.query_one(StatusBar)
@@ -312,11 +317,12 @@ class LocalchatApp(Actions, App):
         if prompt is not None:
             chat.add_user(prompt)
         reply = chat.add_reply()
+        self._reply, self._thinking = reply, None
         self._stream = MarkdownWidget.get_stream(reply)
         self.busy = True
         self._cancel = Cancel()
         self.drafts.stop()  # the turn starts from what it prefilled (Drafts.prefill)
-        self.query_one(StatusBar).activity = "thinking…"
+        self.query_one(StatusBar).activity = "starting…"
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
     @work(thread=True, exclusive=True, group="mlx")
@@ -338,6 +344,8 @@ class LocalchatApp(Actions, App):
             for ev in events:
                 if isinstance(ev, ReplyChunk):
                     self.post_message(ReplyStreamed(ev.text))
+                elif isinstance(ev, ReasoningChunk):
+                    self.post_message(ReasoningStreamed(ev.text))
                 elif isinstance(ev, PrefillProgress):
                     self.post_message(PrefillAdvanced(ev.done, ev.total))
                 elif isinstance(ev, Notice):
@@ -352,10 +360,20 @@ class LocalchatApp(Actions, App):
     def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
         self.query_one(StatusBar).activity = f"prefilling {msg.done}/{msg.total} tokens…"
 
+    def on_reasoning_streamed(self, msg: ReasoningStreamed) -> None:
+        if self._reply is None:
+            return
+        if self._thinking is None:
+            self._thinking = self.query_one(ChatView).add_thinking(self._reply)
+        self._thinking.add(msg.text)
+        self.query_one(StatusBar).activity = self._thinking.title.lower()
+
     async def on_reply_streamed(self, msg: ReplyStreamed) -> None:
         status = self.query_one(StatusBar)
         if status.activity:
             status.activity = ""
+        if self._thinking is not None:
+            self._thinking.done_thinking()
         if self._stream is not None:
             await self._stream.write(msg.text)
 
@@ -364,6 +382,9 @@ class LocalchatApp(Actions, App):
 
     async def on_turn_finished_msg(self, msg: TurnFinishedMsg) -> None:
         await self._end_stream()
+        if self._thinking is not None:
+            self._thinking.finish(msg.usage.reasoning_tokens)
+        self._reply = self._thinking = None
         if msg.stopped:
             chat = self.query_one(ChatView)
             replies = chat.query("AssistantMessage")
@@ -377,6 +398,7 @@ class LocalchatApp(Actions, App):
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
         await self._end_stream()
+        self._reply = self._thinking = None
         self.busy = False
         self.query_one(StatusBar).activity = ""
         self.notify(msg.text, severity="error", timeout=15)

@@ -1,4 +1,5 @@
-"""The conversation: user messages as plain text, replies as streamed Markdown.
+"""The conversation: user messages as plain text, replies as streamed Markdown, a reasoning
+model's thinking in a folded block above its answer (click or Enter unfolds it).
 
 Text is shown literally: a user's message is never parsed as markup (``a[i]``, ``[/b]`` and
 ``[red]`` stay as typed), and control characters from either side are drawn as their
@@ -10,8 +11,10 @@ the bottom (Textual's ``anchor``); scrolling up releases it.
 
 from __future__ import annotations
 
+import time
+
 from textual.containers import VerticalScroll
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 
 from ..fmt import visible
 from ..store import Message
@@ -32,6 +35,42 @@ class AssistantMessage(Markdown):
         return await super().append(visible(markdown))
 
 
+class ThinkingBlock(Collapsible):
+    """A reply's thinking, folded: "Thinking… 3 s" while it streams, then "Thought for 12 s ·
+    340 tokens" (kept with the reply; "Thought" where it is not)."""
+
+    def __init__(self, text: str = "", live: bool = False, seconds: float | None = None,
+                 tokens: int | None = None):
+        self.text = text
+        self.body = Static(visible(text), markup=False, classes="thought")
+        self.started = time.monotonic() if live else None
+        self.seconds: float | None = None
+        super().__init__(self.body, title="Thinking…" if live else _title(seconds, tokens),
+                         collapsed=True)
+
+    def add(self, text: str) -> None:
+        self.text += text
+        self.body.update(visible(self.text))
+        if self.started is not None and self.seconds is None:
+            self.title = f"Thinking… {time.monotonic() - self.started:.0f} s"
+
+    def done_thinking(self) -> None:
+        """The answer has started: the thinking took this long."""
+        if self.started is not None and self.seconds is None:
+            self.seconds = time.monotonic() - self.started
+            self.title = f"Thought for {self.seconds:.0f} s"
+
+    def finish(self, tokens: int) -> None:
+        self.done_thinking()
+        self.title = _title(self.seconds, tokens)
+
+
+def _title(seconds: float | None, tokens: int | None) -> str:
+    if not isinstance(seconds, (int, float)) or not isinstance(tokens, int):
+        return "Thought"  # (a stored reply from before these were kept, or a damaged row)
+    return f"Thought for {seconds:.0f} s · {tokens} tokens"
+
+
 class ChatView(VerticalScroll):
     shown: tuple = ()  # what ``show`` drew last
     by_seq: dict = {}  # its message widgets by the messages' seq
@@ -39,7 +78,7 @@ class ChatView(VerticalScroll):
     def show(self, messages: list[Message], keep: bool = False) -> None:
         """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
         what it shows already."""
-        drawn = tuple((m.seq, m.role, m.content, m.partial) for m in messages)
+        drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
         if keep and drawn == self.shown:
             return
         self.shown = drawn
@@ -49,6 +88,10 @@ class ChatView(VerticalScroll):
             if m.role == "user":
                 widget = UserMessage(m.content)
             elif m.role == "assistant":
+                if thought(m):
+                    extra = m.extra or {}
+                    self.mount(ThinkingBlock(thought(m), seconds=extra.get("thinking_seconds"),
+                                             tokens=extra.get("reasoning_tokens")))
                 widget = AssistantMessage(m.content + ("\n\n_(stopped)_" if m.partial else ""))
             else:
                 continue
@@ -76,3 +119,15 @@ class ChatView(VerticalScroll):
         self.mount(reply)
         self.anchor()
         return reply
+
+    def add_thinking(self, reply: AssistantMessage) -> ThinkingBlock:
+        """The folded thinking block of the reply being streamed, above it."""
+        block = ThinkingBlock(live=True)
+        self.mount(block, before=reply)
+        return block
+
+
+def thought(m: Message) -> str:
+    """A stored reply's thinking ("" if none)."""
+    value = (m.extra or {}).get("reasoning_content")
+    return value if isinstance(value, str) else ""

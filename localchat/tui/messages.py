@@ -59,6 +59,13 @@ class ReplyStreamed(Message):
 
 
 @dataclass
+class ReasoningStreamed(Message):
+    """A piece of a reasoning model's thinking (before its answer)."""
+
+    text: str
+
+
+@dataclass
 class TurnNoticed(Message):
     text: str
 

@@ -19,7 +19,8 @@ def describe(usage: Usage) -> str:
         f"cached {usage.cached_tokens} / prefilled {usage.prefilled_tokens} "
         f"({usage.hit_ratio:.0%} hit)",
         *([f"draft {usage.draft_tokens}"] if usage.draft_tokens else []),
-        f"gen {usage.completion_tokens}",
+        f"gen {usage.completion_tokens}" + (f" (thinking {usage.reasoning_tokens})"
+                                            if usage.reasoning_tokens else ""),
         f"TTFT {usage.ttft_s:.2f}s",
         f"prefill {usage.prefill_tps:.0f} tok/s",
         f"decode {usage.decode_tps:.1f} tok/s",
