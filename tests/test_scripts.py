@@ -59,6 +59,14 @@ def _decode(r: dict) -> None:
     assert r["stock"] is not None and r["fast"]["model"] == r["model"]
 
 
+def _reasoning(r: dict) -> None:
+    assert [f["family"] for f in r["families"]] == ["llama", "qwen3_next"]
+    for f in r["families"]:  # each later turn resumes where the previous reply starts
+        assert all(t["cached"] > 0 and t["reasoning_tokens"] == r["think_tokens"] + 2
+                   for t in f["thinking_on"][1:])
+        assert all(t["reasoning_tokens"] == 0 for t in f["thinking_off"])
+
+
 def _families(r: dict) -> None:
     assert [f["family"] for f in r["families"]] == ["llama", "qwen3_next"]
     assert all(len(f["turns"]) == 4 and f["turns"][-1]["cached"] > 0 for f in r["families"])
@@ -107,6 +115,7 @@ CASES = {
     "longuse": Case({"conversations", "messages", "search_korean_s", "search_english_s",
                      "cli_search_s", "cli_list_s", "app_first_frame_s", "app_next_page_s"},
                     _longuse, model=False),
+    "reasoning": Case({"families", "think_tokens", "answer_tokens"}, _reasoning, model=False),
     "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
     "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",
                    "turn_restart_s", "mlx_lm_turn_restart_s", "turn1_full_prefill_s",
