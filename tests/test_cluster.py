@@ -442,9 +442,9 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
         app.write(b"tell me a long story")
         for _ in range(15):  # Enter again if it came too early (the text stays in the box)
             app.write(b"\r")
-            if app.wait_for(b"thinking", 2.0, must=False):
+            if app.wait_for(b"starting", 2.0, must=False):  # the status bar: the turn began
                 break
-        app.wait_for(b"thinking", 0)
+        app.wait_for(b"starting", 0)
         time.sleep(0.5)  # the reply is streaming (1,024 tokens at most: a few seconds)
         (follower,) = _followers(home)
         t = time.monotonic()
