@@ -7,6 +7,15 @@ cache_read_input_tokens``): ``cache_read_input_tokens`` came from the persistent
 prefilled token, when the cache was saved); ``input_tokens`` were computed and not kept (a
 model whose cache localchat cannot keep, or a cache that could not be written).
 ``cache_control`` blocks are accepted: caching is automatic either way.
+
+Reasoning models: ``thinking`` sets the template's switch (``{"type": "enabled",
+"budget_tokens": N}`` on, ``{"type": "disabled"}`` off, ``{"type": "adaptive"}`` the
+template's default; the budget is checked, not enforced apart from ``max_tokens``). The
+reply's thinking is a ``thinking`` block before the text (its ``signature`` empty: nothing
+here is signed); streamed, every block opens when its first piece comes, indexes counting
+from 0 (``Blocks``). An assistant message's ``thinking`` blocks are stored as its reasoning
+(left out of the match with the stored conversation); ``redacted_thinking`` blocks are
+accepted and dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from .chat import (
     boolean,
     function_tool,
     integer,
+    is_int,
     kind_of,
     number,
     stops,
@@ -55,10 +65,7 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
                   "model decides)", "tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = ()
-    thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict)
-                                     and thinking.get("type") == "disabled"):
-        raise bad("thinking is not supported by localchat serve yet", "thinking")
+    thinking = _thinking(body.get("thinking"))
     for key, kind in IGNORED.items():
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise bad(f"{key}: wrong type ({kind_of(body[key])})", key)
@@ -75,7 +82,35 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         temperature=number(body, "temperature", low=0.0, high=1.0, default=1.0),
         top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        stream=boolean(body, "stream"), tools=tools)
+        stream=boolean(body, "stream"), tools=tools, thinking=thinking)
+
+
+THINKING_TYPES = {"enabled": True, "disabled": False, "adaptive": None}
+
+
+def _thinking(value: object) -> bool | None:
+    """The ``thinking`` field as the template's switch (None: its default)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if not isinstance(kind, str) or kind not in THINKING_TYPES:
+        raise bad("thinking must be {\"type\": \"enabled\", \"budget_tokens\": N}, "
+                  "{\"type\": \"disabled\"} or {\"type\": \"adaptive\"}", "thinking")
+    known = {"type"} | ({"display"} if kind != "disabled" else set()) | (
+        {"budget_tokens"} if kind == "enabled" else set())
+    extra = sorted(k for k in value if k not in known)
+    if extra:
+        raise bad(f"thinking.{extra[0]}: not a field of {{\"type\": \"{kind}\"}}",
+                  f"thinking.{extra[0]}")
+    if value.get("display") not in (None, "summarized"):
+        raise bad("thinking.display: only \"summarized\" (the thinking is shown)",
+                  "thinking.display")
+    budget = value.get("budget_tokens")
+    if kind == "enabled" and not (is_int(budget) and budget >= 1):
+        shown = repr(budget)[:40] if is_int(budget) else kind_of(budget)
+        raise bad(f"thinking.budget_tokens must be an integer >= 1, not {shown}",
+                  "thinking.budget_tokens")
+    return THINKING_TYPES[kind]
 
 
 def _tools(value: object) -> tuple[dict, ...]:
@@ -123,18 +158,31 @@ def _messages(value: object) -> list[dict]:
 
 def _message(role: str, content: object, where: str) -> list[dict]:
     """One API message as chat messages: an assistant's ``tool_use`` blocks become its tool
-    calls; a user's ``tool_result`` blocks become ``tool`` messages, before its text."""
+    calls and its ``thinking`` blocks its reasoning (``redacted_thinking`` ones are dropped:
+    nothing here can read them); a user's ``tool_result`` blocks become ``tool`` messages,
+    before its text."""
     if not isinstance(content, list):
         return [{"role": role, "content": _text(content, where)}]
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "tool_use" and role == "assistant":
-            unknown_keys(block, {"type", "id", "name", "input", "cache_control"})
+            unknown_keys(block, {"type", "id", "name", "input", "cache_control"}, at)
             calls.append(tool_call(block.get("name"), block.get("input", {}), at))
+        elif kind == "thinking" and role == "assistant":
+            unknown_keys(block, {"type", "thinking", "signature"}, at)
+            for key in ("thinking", "signature"):
+                if not isinstance(block.get(key, ""), str):
+                    raise bad(f"{at}.{key}: must be a string", f"{at}.{key}")
+            thoughts.append(block.get("thinking", ""))
+        elif kind == "redacted_thinking" and role == "assistant":
+            unknown_keys(block, {"type", "data"}, at)
+            if not isinstance(block.get("data", ""), str):
+                raise bad(f"{at}.data: must be a string", f"{at}.data")
         elif kind == "tool_result" and role == "user":
-            unknown_keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"})
+            unknown_keys(block, {"type", "tool_use_id", "content", "is_error", "cache_control"},
+                         at)
             if not isinstance(block.get("tool_use_id"), str):
                 raise bad(f"{at}.tool_use_id: must be a string", f"{at}.tool_use_id")
             result = block.get("content", "")
@@ -143,12 +191,16 @@ def _message(role: str, content: object, where: str) -> list[dict]:
                             else _text(result, f"{at}.content")})
         else:
             texts.append(block)
+    thinking = len(content) - len(texts) - len(calls) - len(results)  # (redacted ones too)
+    reasoning = "\n\n".join(t for t in thoughts if t)
+    thought = {"reasoning_content": reasoning} if reasoning else {}
     out = list(results)
     if calls:
         text = _text(texts, where) if texts else ""
-        out.append({"role": "assistant", "content": text, "tool_calls": calls})
-    elif texts or not results:
-        out.append({"role": role, "content": _text(texts, where)})
+        out.append({"role": "assistant", "content": text, "tool_calls": calls} | thought)
+    elif texts or thinking or not results:
+        text = _text(texts, where) if texts or not thinking else ""
+        out.append({"role": role, "content": text} | thought)
     return out
 
 
@@ -163,7 +215,7 @@ def _text(content: object, where: str) -> str:
                 kind = block.get("type") if isinstance(block, dict) else kind_of(block)
                 raise bad(f"{where}.{j}: only text blocks are supported, not {kind!r}",
                           f"{where}.{j}")
-            unknown_keys(block, {"type", "text", "cache_control", "citations"})
+            unknown_keys(block, {"type", "text", "cache_control", "citations"}, f"{where}.{j}")
             if not isinstance(block.get("text"), str):
                 raise bad(f"{where}.{j}.text: must be a string", f"{where}.{j}.text")
             control = block.get("cache_control")
@@ -199,10 +251,11 @@ def tool_uses(tool_calls) -> list[dict]:
 
 
 def message(mid: str, model: str, reply: str, u: Usage, kept: bool, finish: str,
-            stop: str | None, tool_calls=()) -> dict:
+            stop: str | None, tool_calls=(), reasoning: str = "") -> dict:
+    thought = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
     blocks = ([{"type": "text", "text": reply}] if reply or not tool_calls else [])
     return {"id": mid, "type": "message", "role": "assistant", "model": model,
-            "content": blocks + tool_uses(tool_calls),
+            "content": thought + blocks + tool_uses(tool_calls),
             "stop_reason": STOPS[finish], "stop_sequence": stop, "usage": usage(u, kept)}
 
 
@@ -213,24 +266,67 @@ def started(mid: str, model: str) -> dict:
         "usage": {"input_tokens": 0, "output_tokens": 0}}}
 
 
-def ended(u: Usage, kept: bool, finish: str, stop: str | None, tool_calls=()
-          ) -> list[tuple[str, dict]]:
-    """The events after the last text delta: the text block's end, each tool call as a
-    block of its own (its input in one ``input_json_delta``), the message's end."""
-    events = [("content_block_stop", {"type": "content_block_stop", "index": 0})]
-    for i, block in enumerate(tool_uses(tool_calls), start=1):
-        events += [
-            ("content_block_start", {"type": "content_block_start", "index": i,
-                                     "content_block": {**block, "input": {}}}),
-            ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta",
-                "partial_json": json.dumps(block["input"], ensure_ascii=False)}}),
-            ("content_block_stop", {"type": "content_block_stop", "index": i})]
-    return events + [
-        ("message_delta", {"type": "message_delta",
-                           "delta": {"stop_reason": STOPS[finish], "stop_sequence": stop},
-                           "usage": usage(u, kept)}),
-        ("message_stop", {"type": "message_stop"})]
+Event = tuple[str, dict]  # a server-sent event: its name and its data
+
+
+class Blocks:
+    """A streamed message's content blocks: each opens when its first piece comes (a
+    ``thinking`` block, then the ``text`` block, then the tool calls' ``tool_use`` blocks),
+    the one before it closing then; indexes count from 0."""
+
+    EMPTY = {"thinking": {"type": "thinking", "thinking": "", "signature": ""},
+             "text": {"type": "text", "text": ""}}
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # the kind of the block open now
+        self.texted = False  # a text block was sent
+
+    def add(self, kind: str, piece: str) -> list[Event]:
+        """The events that stream ``piece`` of ``kind`` ("thinking" or "text")."""
+        events = [] if self.open == kind else self._start(kind)
+        events.append(("content_block_delta", {
+            "type": "content_block_delta", "index": self.index,
+            "delta": {"type": f"{kind}_delta", kind: piece}}))
+        return events
+
+    def end(self, u: Usage, kept: bool, finish: str, stop: str | None, tool_calls=()
+            ) -> list[Event]:
+        """The events after the last piece: an empty text block when there was neither
+        text nor a tool call, the open block's end, each tool call as a block of its own
+        (its input in one ``input_json_delta``), the message's end."""
+        events = self._start("text") if not self.texted and not tool_calls else []
+        events += self._stop()
+        for block in tool_uses(tool_calls):
+            self.index += 1
+            events += [
+                ("content_block_start", {"type": "content_block_start", "index": self.index,
+                                         "content_block": {**block, "input": {}}}),
+                ("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                         "delta": {"type": "input_json_delta",
+                                                   "partial_json": json.dumps(
+                                                       block["input"], ensure_ascii=False)}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        return events + [
+            ("message_delta", {"type": "message_delta",
+                               "delta": {"stop_reason": STOPS[finish], "stop_sequence": stop},
+                               "usage": usage(u, kept)}),
+            ("message_stop", {"type": "message_stop"})]
+
+    def _start(self, kind: str) -> list[Event]:
+        events = self._stop()
+        self.index += 1
+        self.open = kind
+        self.texted = self.texted or kind == "text"
+        return events + [("content_block_start", {"type": "content_block_start",
+                                                  "index": self.index,
+                                                  "content_block": dict(self.EMPTY[kind])})]
+
+    def _stop(self) -> list[Event]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
 TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",

@@ -10,7 +10,10 @@ or ``x-api-key``.
 
 Each request becomes a turn of a stored conversation (``stateless.place``), run on the model
 thread (``worker.py``); streaming answers are server-sent events. A client that disconnects
-mid-stream gets its generation stopped at the next token.
+mid-stream gets its generation stopped at the next token. A reasoning model's thinking
+(``ReasoningChunk`` events, then ``TurnFinished.reasoning``) is answered apart from the reply,
+in each API's own field or block; the request's switch (``ChatRequest.thinking``) goes to the
+turn, which renders the template with it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from starlette.routing import Route
 
 from .. import crashlog, stateless
 from ..errors import BadInput, ContextFull, LocalchatError
-from ..events import ReplyChunk, TurnFinished
+from ..events import ReasoningChunk, ReplyChunk, TurnFinished
 from ..replies import ToolHold, tool_markers
 from ..session import TurnOptions
 from . import anthropic_api, openai_api
@@ -162,10 +165,10 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
     if api == "openai":
         return JSONResponse(openai_api.completion(rid, int(time.time()), service.model, reply,
                                                   finished.usage, _finish(finished),
-                                                  finished.tool_calls))
+                                                  finished.tool_calls, finished.reasoning))
     return JSONResponse(anthropic_api.message(
         rid, service.model, reply, finished.usage, finished.usage.bytes_written > 0,
-        _finish(finished), finished.stop_sequence, finished.tool_calls))
+        _finish(finished), finished.stop_sequence, finished.tool_calls, finished.reasoning))
 
 
 def _turn(session, emit, req: ChatRequest, cancel) -> None:
@@ -175,11 +178,12 @@ def _turn(session, emit, req: ChatRequest, cancel) -> None:
         raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
                   "request without tools", "tools")
     options = TurnOptions(max_tokens=req.max_tokens or room, temp=req.temperature,
-                          seed=req.seed, top_p=req.top_p, stop=req.stop, tools=req.tools)
+                          seed=req.seed, top_p=req.top_p, stop=req.stop, tools=req.tools,
+                          thinking=req.thinking)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
         for ev in session.answer(conv, new, options, cancel):
-            if isinstance(ev, (ReplyChunk, TurnFinished)):
+            if isinstance(ev, (ReasoningChunk, ReplyChunk, TurnFinished)):
                 emit(ev)
     except (ContextFull, BadInput):
         if made:  # refused before anything was added: leave no trace of the request
@@ -208,25 +212,31 @@ def _finish(finished: TurnFinished) -> str:
 
 async def _openai_stream(service: Service, req: ChatRequest, rid: str, events: asyncio.Queue):
     created = int(time.time())
-    first = True
+    first = True  # the first delta, whatever it holds, names the role
     hold = _hold(service, req)
+
+    def delta(fields: dict) -> bytes:
+        nonlocal first
+        fields = ({"role": "assistant"} if first else {}) | fields
+        first = False
+        return _sse(None, openai_api.chunk(rid, created, service.model, fields))
+
     while (ev := await events.get()) is not DONE:
         if isinstance(ev, BaseException):
             yield _sse(None, openai_api.error(_api_error(ev)))
             return
+        if isinstance(ev, ReasoningChunk):
+            yield delta({"reasoning_content": ev.text})
+            continue
         text = hold.add(ev.text) if isinstance(ev, ReplyChunk) else \
             hold.end() if isinstance(ev, TurnFinished) and not ev.tool_calls else ""
         if text:
-            delta = {"content": text} | ({"role": "assistant"} if first else {})
-            first = False
-            yield _sse(None, openai_api.chunk(rid, created, service.model, delta))
+            yield delta({"content": text})
         if isinstance(ev, TurnFinished):
             if first:
-                yield _sse(None, openai_api.chunk(rid, created, service.model,
-                                                  {"role": "assistant", "content": ""}))
+                yield delta({"content": ""})
             if ev.tool_calls:
-                yield _sse(None, openai_api.chunk(rid, created, service.model, {
-                    "tool_calls": openai_api.calls(ev.tool_calls, streaming=True)}))
+                yield delta({"tool_calls": openai_api.calls(ev.tool_calls, streaming=True)})
             finish = _finish(ev)
             finish = finish if finish in ("length", "tool_calls") else "stop"
             yield _sse(None, openai_api.chunk(rid, created, service.model, {}, finish))
@@ -239,23 +249,24 @@ async def _openai_stream(service: Service, req: ChatRequest, rid: str, events: a
 async def _anthropic_stream(service: Service, req: ChatRequest, rid: str,
                             events: asyncio.Queue):
     yield _sse("message_start", anthropic_api.started(rid, service.model))
-    yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                       "content_block": {"type": "text", "text": ""}})
     yield _sse("ping", {"type": "ping"})
     hold = _hold(service, req)
+    blocks = anthropic_api.Blocks()
     while (ev := await events.get()) is not DONE:
         if isinstance(ev, BaseException):
             yield _sse("error", anthropic_api.error(_api_error(ev)))
             return
+        if isinstance(ev, ReasoningChunk):
+            for name, data in blocks.add("thinking", ev.text):
+                yield _sse(name, data)
+            continue
         text = hold.add(ev.text) if isinstance(ev, ReplyChunk) else \
             hold.end() if isinstance(ev, TurnFinished) and not ev.tool_calls else ""
-        if text:
-            yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                               "delta": {"type": "text_delta", "text": text}})
+        for name, data in blocks.add("text", text) if text else ():
+            yield _sse(name, data)
         if isinstance(ev, TurnFinished):
-            for name, data in anthropic_api.ended(ev.usage, ev.usage.bytes_written > 0,
-                                                  _finish(ev), ev.stop_sequence,
-                                                  ev.tool_calls):
+            for name, data in blocks.end(ev.usage, ev.usage.bytes_written > 0, _finish(ev),
+                                         ev.stop_sequence, ev.tool_calls):
                 yield _sse(name, data)
             yield ev
 

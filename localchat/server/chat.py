@@ -3,7 +3,10 @@
 ``ChatRequest`` is a request checked field by field (by ``openai_api.parse`` or
 ``anthropic_api.parse``); ``ApiError`` is a failure with an HTTP status and a kind that each
 API names its own way. Limits keep one request from taking the server: ``MAX_BODY`` bytes,
-``MAX_MESSAGES`` messages. Nothing in a request names a file.
+``MAX_MESSAGES`` messages. Nothing in a request names a file. A reasoning model's switch
+arrives as ``ChatRequest.thinking`` (each API's own fields: ``reasoning_effort`` and
+``chat_template_kwargs``, or ``thinking``), and an earlier reply's reasoning as its message's
+``reasoning_content``.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ def bad(message: str, param: str | None = None) -> ApiError:
 @dataclass(frozen=True)
 class ChatRequest:
     """A chat request either API sent, checked: ``messages`` are ``{role, content}`` with
-    text content, the system prompt first when there is one."""
+    text content, the system prompt first when there is one (an assistant's may also hold
+    ``tool_calls`` and ``reasoning_content``)."""
 
     api: str  # "openai" or "anthropic"
     model: str
@@ -49,6 +53,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False  # OpenAI's stream_options.include_usage
     tools: tuple[dict, ...] = ()  # function tools, in OpenAI's shape (what templates take)
+    thinking: bool | None = None  # a reasoning model thinks first (None: its template's default)
 
 
 # -- field checks (each raises ApiError 400 naming the field) -----------------------------
@@ -153,8 +158,12 @@ def tool_call(name: object, arguments: object, where: str) -> dict:
     return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def unknown_keys(body: dict, known: set[str]) -> None:
+def unknown_keys(body: dict, known: set[str], where: str | None = None) -> None:
+    """A 400 naming the first key of ``body`` not in ``known`` (``where``: the path of a
+    nested object, which the name then starts with)."""
     extra = sorted(k for k in body if k not in known)
+    if extra and where:
+        raise bad(f"{where}.{extra[0]}: unrecognized field", f"{where}.{extra[0]}")
     if extra:
         raise bad(f"unrecognized request argument: {extra[0]}", extra[0])
 

@@ -2,8 +2,17 @@
 
 Usage maps one to one: ``prompt_tokens`` (the whole rendered conversation),
 ``prompt_tokens_details.cached_tokens`` (reused from the persistent cache),
-``completion_tokens``. Content is text (a string, or ``text`` parts); ``system`` and
-``developer`` messages open the conversation.
+``completion_tokens`` (of which ``completion_tokens_details.reasoning_tokens`` were thinking).
+Content is text (a string, or ``text`` parts); ``system`` and ``developer`` messages open the
+conversation.
+
+Reasoning models, as vLLM and llama.cpp serve them: ``reasoning_effort`` ("none" turns the
+thinking off, any other level on; the level itself is not a budget) and
+``chat_template_kwargs.enable_thinking`` (or ``thinking``; it wins over the effort) set the
+template's switch; the reply's thinking comes as ``message.reasoning_content`` (streamed as
+``delta.reasoning_content``), apart from ``content``. An assistant message may carry its
+``reasoning_content`` (or ``reasoning``) back: stored with it, and left out of the match with
+the stored conversation, so a client that drops it still continues that conversation.
 """
 
 from __future__ import annotations
@@ -32,8 +41,12 @@ from .chat import (
 KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
          "seed", "stop", "stream", "stream_options", "n", "user", "metadata", "store",
          "frequency_penalty", "presence_penalty", "logprobs", "tools", "tool_choice",
-         "parallel_tool_calls", "response_format", "service_tier"}
+         "parallel_tool_calls", "response_format", "service_tier", "reasoning_effort",
+         "chat_template_kwargs"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+EFFORTS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True,
+           "xhigh": True}
+TEMPLATE_SWITCHES = ("enable_thinking", "thinking")  # the chat_template_kwargs taken
 
 
 def parse(body: object) -> ChatRequest:
@@ -80,7 +93,36 @@ def parse(body: object) -> ChatRequest:
         top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
         seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
         stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage,
-        tools=() if choice == "none" else tools)
+        tools=() if choice == "none" else tools, thinking=_thinking(body))
+
+
+def _thinking(body: dict) -> bool | None:
+    """The template's thinking switch: ``chat_template_kwargs`` first, then
+    ``reasoning_effort``; None when neither says. Both are checked either way."""
+    effort = body.get("reasoning_effort")
+    if effort is not None and (not isinstance(effort, str) or effort not in EFFORTS):
+        raise bad("reasoning_effort must be one of " + ", ".join(EFFORTS) + ", not "
+                  + (repr(effort)[:40] if isinstance(effort, str) else kind_of(effort)),
+                  "reasoning_effort")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad(f"chat_template_kwargs must be an object, not {kind_of(kwargs)}",
+                  "chat_template_kwargs")
+    switch = None
+    for key, value in (kwargs or {}).items():
+        where = f"chat_template_kwargs.{key}"
+        if key not in TEMPLATE_SWITCHES:
+            raise bad(f"{where}: only enable_thinking (or thinking) is accepted", where)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise bad(f"{where} must be true or false, not {kind_of(value)}", where)
+        if switch is not None and value != switch:
+            raise bad("chat_template_kwargs.enable_thinking and .thinking disagree", where)
+        switch = value
+    if switch is not None:
+        return switch
+    return None if effort is None else EFFORTS[effort]
 
 
 def _tools(value: object) -> tuple[dict, ...]:
@@ -111,11 +153,13 @@ def _messages(value: object) -> list[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad(f"{where} must be an object, not {kind_of(m)}", where)
-        unknown_keys(m, {"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+        unknown_keys(m, {"role", "content", "name", "tool_calls", "tool_call_id", "refusal",
+                         "reasoning_content", "reasoning"})
         role = m.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(sorted(ROLES))}",
                       f"{where}.role")
+        thought = _reasoning(m, role, where)
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise bad(f"{where}.name must be a string", f"{where}.name")
         calls = m.get("tool_calls")
@@ -139,7 +183,7 @@ def _messages(value: object) -> list[dict]:
                 stored.append(tool_call(fn.get("name"), fn.get("arguments", {}), at))
             content = m.get("content")
             text = "" if content is None else _text(content, f"{where}.content")
-            out.append({"role": "assistant", "content": text, "tool_calls": stored})
+            out.append({"role": "assistant", "content": text, "tool_calls": stored} | thought)
             continue
         text = _text(m.get("content"), f"{where}.content")
         if role in ("system", "developer"):
@@ -150,10 +194,25 @@ def _messages(value: object) -> list[dict]:
                 out[-1] = {"role": "system", "content": out[-1]["content"] + "\n\n" + text}
                 continue
             role = "system"
-        out.append({"role": role, "content": text})
+        out.append({"role": role, "content": text} | thought)
     if out[-1]["role"] not in ("user", "tool"):
         raise bad("the last message must be from the user (or a tool's result)", "messages")
     return out
+
+
+def _reasoning(m: dict, role: str, where: str) -> dict:
+    """An assistant message's ``reasoning_content`` (or ``reasoning``), as it is stored:
+    ``{"reasoning_content": text}``, or ``{}`` when it has none."""
+    out = ""
+    for key in ("reasoning_content", "reasoning"):
+        value = m.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or role != "assistant":
+            raise bad(f"{where}.{key} must be a string, on an assistant message",
+                      f"{where}.{key}")
+        out = out or value
+    return {"reasoning_content": out} if out else {}
 
 
 def _text(content: object, where: str) -> str:
@@ -181,7 +240,8 @@ def _text(content: object, where: str) -> str:
 def usage(u: Usage) -> dict:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
 
 
 def calls(tool_calls, streaming: bool = False) -> list[dict]:
@@ -195,8 +255,10 @@ def calls(tool_calls, streaming: bool = False) -> list[dict]:
 
 
 def completion(rid: str, created: int, model: str, reply: str, u: Usage, finish: str,
-               tool_calls=()) -> dict:
+               tool_calls=(), reasoning: str = "") -> dict:
     message = {"role": "assistant", "content": reply if reply or not tool_calls else None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if tool_calls:
         message["tool_calls"] = calls(tool_calls)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
