@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import zlib
 from pathlib import Path
 
 
@@ -17,8 +16,8 @@ def write_tensors(folder: Path, prefix: str, tensors: dict, taken: set[str] = fr
                   ) -> tuple[str, int, int]:
     """Write ``tensors`` atomically as the next ``{prefix}-NNNNNN.safetensors`` in ``folder``.
 
-    Returns (file name, CRC-32, size). ``taken`` names count as used even if their files are
-    gone, so a name in a manifest is never given to other bytes.
+    Returns (file name, XXH3-64 of its bytes, size). ``taken`` names count as used even if
+    their files are gone, so a name in a manifest is never given to other bytes.
     """
     import mlx.core as mx
 
@@ -38,7 +37,14 @@ def write_tensors(folder: Path, prefix: str, tensors: dict, taken: set[str] = fr
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk must not also keep a half-written file
         raise
-    return name, zlib.crc32(data), len(data)
+    return name, xxh3(data), len(data)
+
+
+def xxh3(data) -> int:
+    """XXH3-64 of a buffer's bytes (``xxhash``: ~15 GB/s on one core, the GIL released)."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def write_error(folder: Path, err: RuntimeError) -> OSError:

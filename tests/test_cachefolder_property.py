@@ -1,7 +1,6 @@
 """Property test: random appends, trims, reloads and corruptions of a CacheFolder behave like an
 in-memory reference (a list of tokens with their K/V rows)."""
 
-import zlib
 
 import mlx.core as mx
 import numpy as np
@@ -10,6 +9,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
 from localchat.kvcache.folder import CacheFolder, CacheInvalid, Layout, common_prefix
+from localchat.kvcache.format import file_sum
 from localchat.kvcache.kinds import LeafSpec
 
 
@@ -102,7 +102,7 @@ def test_store_behaves_like_a_list(tmp_path_factory, ops, seed):
             data = bytearray(path.read_bytes())
             data[arg % len(data)] ^= 0x01
             path.write_bytes(bytes(data))
-            assert zlib.crc32(bytes(data)) != seg.crc32
+            assert file_sum(bytes(data), seg.sum_kind) != seg.sum
             try:
                 load(CacheFolder(folder))
                 raise AssertionError("a flipped bit must not load")

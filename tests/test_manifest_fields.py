@@ -36,7 +36,7 @@ from twins import run_turn
 
 from localchat.engine import Engine
 from localchat.kvcache.folder import CacheFolder, CacheInvalid
-from localchat.kvcache.format import MANIFEST, canonical, seal
+from localchat.kvcache.format import MANIFEST, canonical, file_sum, seal
 from localchat.session import Session
 from localchat.store import Store
 
@@ -306,9 +306,7 @@ def negated(data: bytes, skip: str = "entry") -> bytes:
 @pytest.mark.parametrize("family", MODELS)
 def test_negative_control_a_forged_state_changes_the_reply(worlds, family):
     """The comparison can tell replies apart: K/V or recurrent state negated behind every
-    check (its CRC-32 in a resealed manifest) is used without a notice and changes the reply."""
-    import zlib
-
+    check (its checksum in a resealed manifest) is used without a notice and changes the reply."""
     w = worlds(family)
     body = copy.deepcopy(w.body)
     entries = body["checkpoints"] or body["segments"]
@@ -317,7 +315,7 @@ def test_negative_control_a_forged_state_changes_the_reply(worlds, family):
     shutil.rmtree(w.folder)
     shutil.copytree(w.pristine, w.folder)
     (w.folder / entry["file"]).write_bytes(data)
-    entry["crc32"] = zlib.crc32(data)
+    entry["xxh3"] = file_sum(data)
     (w.folder / MANIFEST).write_text(seal(body))
     done, notices = run_turn(w.session(), w.conv, NEXT, max_tokens=8)
     w.store.delete_messages_from(w.conv, w.next_seq)
@@ -401,5 +399,39 @@ def test_token_ids_past_the_vocabulary_and_old_versions_are_refused(tmp_path):
         kv.checked_manifest(dataclasses.replace(layout, vocab=42))
     old = {k: v for k, v in body.items()}
     old["version"] = 2
-    with pytest.raises(CacheInvalid, match=r"^cache format version 2 \(this localchat reads 3\)$"):
-        Manifest.from_json(json.dumps(old))
+    with pytest.raises(CacheInvalid,
+                       match=r"^cache format version 2 \(this localchat reads 3 and 4\)$"):
+        Manifest.from_json(seal(old))
+
+
+def test_each_file_has_one_checksum_of_a_kind_its_version_knows():
+    """Version 4 entries carry ``xxh3`` or (kept from version 3) ``crc32``, one of them;
+    version 3 entries only ``crc32``; a value past its kind's range is refused."""
+    from localchat.kvcache.format import Manifest
+
+    def with_sums(version: int, sums: dict[str, object]) -> str:
+        body = synthetic()
+        body["version"] = version
+        for e in body["segments"] + body["checkpoints"]:
+            del e["xxh3"]
+            e.update(sums)
+        return seal(body)
+
+    man = Manifest.from_json(seal(synthetic()))
+    assert {(e.sum_kind, e.sum) for e in man.segments} == {("xxh3", 5), ("xxh3", 6)}
+    for version, sums, ok in [(4, {"xxh3": 2**64 - 1}, True), (4, {"crc32": 2**32 - 1}, True),
+                              (3, {"crc32": 7}, True), (3, {"xxh3": 7}, False),
+                              (4, {"xxh3": 7, "crc32": 7}, False), (4, {}, False),
+                              (4, {"crc32": 2**32}, False), (4, {"xxh3": 2**64}, False),
+                              (4, {"xxh3": -1}, False), (4, {"xxh3": 7.0}, False)]:
+        if ok:
+            got = Manifest.from_json(with_sums(version, sums))
+            (kind, value), = sums.items()
+            assert all((e.sum_kind, e.sum) == (kind, value)
+                       for e in got.segments + got.checkpoints)
+            # Written back, each entry keeps its own kind (a version-3 file is never rehashed).
+            again = json.loads(got.to_json())
+            assert again["version"] == 4 and again["segments"][0][kind] == value
+        else:
+            with pytest.raises(CacheInvalid, match="damaged manifest"):
+                Manifest.from_json(with_sums(version, sums))

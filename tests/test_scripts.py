@@ -77,6 +77,12 @@ def _kvquant(r: dict) -> None:
     assert not r["settings"][0]["refused"]  # 8-bit passes the gate: the quantized turns ran
 
 
+def _load(r: dict) -> None:
+    assert r["history_tokens"] >= 200 and r["segments"] >= 1
+    assert set(r["steps_ms"]) == {"read", "check", "parse", "allocate", "convert"}
+    assert all(v > 0 for v in r["steps_ms"].values()), r["steps_ms"]
+
+
 def _longuse(r: dict) -> None:
     assert r["conversations"] == 200 and r["messages"] == 2000
     assert r["app_first_frame_s"] > 0 and r["app_next_page_s"] > 0
@@ -112,6 +118,8 @@ CASES = {
                    "key_ms_median_draft_on", "key_ms_median_draft_off"}),
     "families": Case({"families", "history_tokens"}, _families, model=False),
     "kvquant": Case({"f16_bytes_per_token", "settings"}, _kvquant),
+    "load": Case({"history_tokens", "segments", "load_s", "steps_ms", "ttft_long_s",
+                  "ttft_short_s", "ttft_ratio"}, _load),
     "longuse": Case({"conversations", "messages", "search_korean_s", "search_english_s",
                      "cli_search_s", "cli_list_s", "app_first_frame_s", "app_next_page_s"},
                     _longuse, model=False),

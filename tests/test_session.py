@@ -163,9 +163,7 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
     """The tiny model's greedy reply depends on its context, so "equals a full prefill" is
     a real check: two histories give two replies, and a cache with wrong K/V (damage that
     slips past the checksums because we fix them up) gives another reply."""
-    import zlib
-
-    from localchat.kvcache.format import seal
+    from localchat.kvcache.format import file_sum, seal
 
     a, b = store.create("ctl-a", engine.ref.name), store.create("ctl-b", engine.ref.name)
     run(session, a, "Hello, how are you today?")
@@ -187,7 +185,7 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
         if not ids[0] <= i - header < ids[1]:
             data[i] ^= 0x5A
     seg.write_bytes(bytes(data))
-    man["segments"][0]["crc32"] = zlib.crc32(bytes(data))
+    man["segments"][0]["xxh3"] = file_sum(bytes(data))
     del man["checksum"]
     (folder / "manifest.json").write_text(seal(man))
     wrong, notes = run(restart(store, engine), conv, "Tell me more.")
@@ -207,3 +205,49 @@ def test_a_cancel_set_before_the_turn_starts_stops_it(store, engine, session):
     done = events[-1]
     assert isinstance(done, TurnFinished) and done.stopped and done.tokens == ()
     assert [m.content for m in store.messages(conv)] == ["Hello"]
+
+
+def test_a_version_3_cache_is_read_then_grows_as_version_4(store, engine, session):
+    """A cache written before version 4 (its files checked by CRC-32) resumes exactly; the
+    next turn writes a version-4 manifest whose older entries keep their CRC-32. A flipped
+    byte in a version-3 file is still caught."""
+    import zlib
+
+    from localchat.kvcache.format import seal
+
+    conv = store.create("v3", engine.ref.name)
+    run(session, conv, "Hello, how are you today?")
+    run(session, conv, "What is the capital of France?")
+    folder = session.cache_folder(conv).folder
+
+    def as_version_3() -> dict:
+        man = json.loads((folder / "manifest.json").read_text())
+        del man["checksum"]
+        man["version"] = 3
+        for e in man["segments"] + man["checkpoints"]:
+            e.pop("xxh3", None)
+            e["crc32"] = zlib.crc32((folder / e["file"]).read_bytes())
+        (folder / "manifest.json").write_text(seal(man))
+        return man
+
+    old = as_version_3()
+    before = store.messages(conv)
+    resumed, notes = run(restart(store, engine), conv, "Tell me more.")
+    assert notes == [] and resumed.usage.cached_tokens >= len(old["tokens"]) - 1
+    reference = full_prefill_reply(store, engine, conv, "Tell me more.", before)
+    assert resumed.tokens == reference.tokens
+    new = json.loads((folder / "manifest.json").read_text())
+    assert new["version"] == 4
+    kinds = {e["file"]: ("crc32" in e, "xxh3" in e) for e in new["segments"]}
+    kept = [e["file"] for e in old["segments"] if e["file"] in kinds]
+    assert kept and all(kinds[f] == (True, False) for f in kept)
+    assert any(kinds[f] == (False, True) for f in kinds if f not in kept)
+
+    # Damage behind a version-3 manifest: caught by its CRC-32, the turn rebuilds.
+    old = as_version_3()
+    seg = folder / old["segments"][0]["file"]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    seg.write_bytes(bytes(data))
+    _, notes = run(restart(store, engine), conv, "And then?")
+    assert any("checksum" in n for n in notes), notes

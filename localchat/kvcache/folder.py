@@ -1,6 +1,6 @@
 """One conversation's KV cache on disk: append-only segments, checkpoints, and a manifest.
 
-Layout of a conversation folder (format version 3)::
+Layout of a conversation folder (format version 4)::
 
     manifest.json           format, version, layout, token ids, segments, checkpoints, and
                             its own checksum
@@ -28,11 +28,13 @@ Rules:
 - Writes are atomic (temp file, fsync, rename) and the manifest is replaced last, so a crash
   leaves the previous consistent state; stray files from a crash are removed on the next commit.
 - Reading checks the manifest's checksum and every field against the model's layout
-  (``format.py``), then each file's size and CRC-32 and its arrays' names, shapes and
-  dtypes; any mismatch raises ``CacheInvalid`` with a short reason, and the caller rebuilds.
-- Folders of older versions (1: before checkpoints, 2: before the manifest's checksum) are
-  not read: "cache rebuilt: cache format version 2 …", then a full prefill writes version 3.
-  Only speed is lost; messages live in SQLite.
+  (``format.py``), then each file's size and checksum (XXH3-64; CRC-32 in version 3) and its
+  arrays' names, shapes and dtypes; any mismatch raises ``CacheInvalid`` with a short reason,
+  and the caller rebuilds. Segments are mapped into memory, not copied (``_read``).
+- Version 3 folders are read as they are (their files' CRC-32 checked); the next commit
+  writes a version-4 manifest. Older versions (1: before checkpoints, 2: before the
+  manifest's checksum) are not read: "cache rebuilt: cache format version 2 …", then a full
+  prefill writes version 4. Only speed is lost; messages live in SQLite.
 - File names in a manifest are plain names in its folder (``seg-NNNNNN.safetensors``,
   ``ckpt-NNNNNN.safetensors``); anything else is a damaged manifest, so no manifest makes
   localchat read, link or delete a file elsewhere.
@@ -40,8 +42,10 @@ Rules:
 
 from __future__ import annotations
 
+import mmap
 import os
-import zlib
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -59,6 +63,7 @@ from .format import (  # noqa: F401 - the format's names are used through this m
     Segment,
     common_prefix,
     entry_bytes,
+    file_sum,
     ids_crc,
     read_safetensors,
 )
@@ -108,20 +113,36 @@ class CacheFolder:
             raise CacheInvalid("damaged manifest (token id past the vocabulary)")
         return man
 
-    def _read(self, file: str, crc32: int, nbytes: int) -> bytes:
-        """A file's bytes, checked against its manifest entry; from any thread."""
+    def _read(self, entry: Segment | Checkpoint, steps: dict | None = None,
+              mapped: bool = False):
+        """A file's bytes, checked against its manifest entry (size and checksum); from any
+        thread. ``mapped``: the file mapped into memory rather than copied (the page cache's
+        pages themselves; files are replaced, never rewritten in place, so they cannot change
+        under the map). ``steps``: seconds reading and checking are added to it."""
+        t0 = time.perf_counter()
         try:
-            data = (self.folder / file).read_bytes()
-        except OSError:
-            raise CacheInvalid(f"{file} missing") from None
-        if len(data) != nbytes or zlib.crc32(data) != crc32:
-            raise CacheInvalid(f"{file} damaged (checksum)")
+            if mapped:
+                with open(self.folder / entry.file, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    data = mmap.mmap(f.fileno(), size, flags=_MAP_FLAGS,
+                                     prot=mmap.PROT_READ) if size == entry.nbytes else b""
+            else:
+                data = (self.folder / entry.file).read_bytes()
+        except (OSError, ValueError):
+            raise CacheInvalid(f"{entry.file} missing") from None
+        t1 = time.perf_counter()
+        if len(data) != entry.nbytes or file_sum(data, entry.sum_kind) != entry.sum:
+            raise CacheInvalid(f"{entry.file} damaged (checksum)")
+        _add(steps, "read", t1 - t0)
+        _add(steps, "check", time.perf_counter() - t1)
         return data
 
-    def load_growing(self, man: Manifest, upto: int, dtype=None, headroom: int = 0) -> list:
+    def load_growing(self, man: Manifest, upto: int, dtype=None, headroom: int = 0,
+                     steps: dict | None = None) -> list:
         """Per growing leaf, (keys, values) [1, heads, upto + headroom, width] of positions
         [0, upto), dequantized when stored quantized. ``dtype``: the dtype to return
-        (default: the stored one)."""
+        (default: the stored one). ``steps``, when given, gets the seconds of each step added
+        (``read``, ``check``, ``parse``, ``allocate``, ``convert``; summed over threads)."""
         import mlx.core as mx
         import numpy as np
 
@@ -130,16 +151,46 @@ class CacheFolder:
             return [(None, None) for _ in specs]
         target = str(dtype or man.layout.dtype).replace("mlx.core.", "")
         segs = [seg for seg in man.segments if seg.start < upto]
-        # Reading and checksumming (zlib releases the GIL), then casting float16 -> float32
-        # (numpy releases it too) run on every core: at a 4k history on the default model they
-        # are ~110 MB in, ~220 MB out, most of a resumed turn's time to first token.
-        pool = ThreadPoolExecutor(min(len(segs), _workers()))
-        try:
-            reads = pool.map(lambda seg: self._read(seg.file, seg.crc32, seg.nbytes), segs)
-            parts: list[list] = [[] for _ in specs]  # per leaf: (k, v) per segment
-            for seg in segs:
+        # The segments are mapped, not copied, and checked on the pool's threads (xxhash
+        # releases the GIL) while this thread has MLX allocate the first buffers; each buffer
+        # is then filled on the pool (numpy casts float16 -> float32 without the GIL) while
+        # this thread allocates the next. At a 4k history on the default model that is ~95 MB
+        # in and ~190 MB out, all of it memory-bound (scripts/bench_load.py).
+        # One buffer per leaf and side, owned by its cache alone (appends update it in
+        # place), zero past ``upto``; MLX allocates it and numpy fills it through the
+        # buffer protocol, casting on the way: one pass over the data, no second copy.
+        # (numpy has no bfloat16: such data comes as its raw uint16, cast by MLX after.)
+        cast_in_numpy = "bfloat16" not in (target, man.layout.dtype)
+        jobs = [(j, side) for j in range(len(specs)) for side in (0, 1)]
+        bufs: list[list] = [[None, None] for _ in specs]
+        parts: list[list] = [[] for _ in specs]  # per leaf: (k, v) per segment
+
+        def allocate(job: tuple[int, int]) -> None:
+            t0 = time.perf_counter()
+            j, side = job
+            heads, width = (specs[j].k_shape, specs[j].v_shape)[side]
+            kind = target if cast_in_numpy else str(parts[j][0][side].dtype)
+            bufs[j][side] = mx.zeros((1, heads, upto + headroom, width), getattr(mx, kind))
+            mx.eval(bufs[j][side])
+            _add(steps, "allocate", time.perf_counter() - t0)
+
+        def fill(job: tuple[int, int]) -> None:
+            t0 = time.perf_counter()
+            j, side = job
+            view = np.array(bufs[j][side], copy=False)[0]
+            pos = 0
+            for piece in parts[j]:
+                m = min(piece[side].shape[1], upto - pos)
+                view[:, pos : pos + m] = piece[side][:, :m]
+                pos += m
+            _add(steps, "convert", time.perf_counter() - t0)
+
+        def parse(reads: list) -> None:
+            for seg, read in zip(segs, reads):
                 try:
-                    arrays = read_safetensors(next(reads), seg.file)
+                    data = read.result()
+                    t0 = time.perf_counter()
+                    arrays = read_safetensors(data, seg.file)
                     n = seg.end - seg.start
                     ids = arrays.get(TOKENS)
                     if ids is None or ids.dtype_name != "int32" or ids.shape != (n,) or \
@@ -152,32 +203,31 @@ class CacheFolder:
                             for side, shape in (("k", spec.k_shape), ("v", spec.v_shape))))
                 except CacheInvalid as err:
                     raise CacheInvalid(str(err), usable=seg.start) from None
-            # One buffer per leaf and side, owned by its cache alone (appends update it in
-            # place), zero past ``upto``; MLX allocates it and numpy fills it through the
-            # buffer protocol, casting on the way: one pass over the data, no second copy.
-            # (numpy has no bfloat16: such data comes as its raw uint16, cast by MLX after.)
-            cast_in_numpy = "bfloat16" not in (target, man.layout.dtype)
+                _add(steps, "parse", time.perf_counter() - t0)
 
-            def kind(j: int, side: int):
-                return getattr(mx, target if cast_in_numpy else str(parts[j][0][side].dtype))
-
-            bufs = [tuple(mx.zeros((1, heads, upto + headroom, width), kind(j, side))
-                          for side, (heads, width) in enumerate((spec.k_shape, spec.v_shape)))
-                    for j, spec in enumerate(specs)]
-            mx.eval(bufs)
-
-            def fill(job: tuple[int, int]) -> None:
-                j, side = job
-                view = np.array(bufs[j][side], copy=False)[0]
-                pos = 0
-                for piece in parts[j]:
-                    m = min(piece[side].shape[1], upto - pos)
-                    view[:, pos : pos + m] = piece[side][:, :m]
-                    pos += m
-
-            list(pool.map(fill, [(j, side) for j in range(len(specs)) for side in (0, 1)]))
+        pool = ThreadPoolExecutor(_workers())
+        try:
+            reads = [pool.submit(self._read, seg, steps, True) for seg in segs]
+            parsed, filling = False, []
+            for i, job in enumerate(jobs):
+                if cast_in_numpy:  # the dtype is known: allocate while the reads run
+                    allocate(job)
+                if not parsed and (not cast_in_numpy or all(r.done() for r in reads)):
+                    parse(reads)
+                    parsed = True
+                if not cast_in_numpy:
+                    allocate(job)
+                if parsed:
+                    filling += [pool.submit(fill, k) for k in jobs[len(filling) : i + 1]]
+            if not parsed:
+                parse(reads)
+            filling += [pool.submit(fill, k) for k in jobs[len(filling) :]]
+            for f in filling:
+                f.result()
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+        bufs = [tuple(pair) for pair in bufs]
+        t1 = time.perf_counter()
         if cast_in_numpy:
             return bufs
 
@@ -188,6 +238,7 @@ class CacheFolder:
 
         out = [tuple(cast(b) for b in pair) for pair in bufs]
         mx.eval(out)
+        _add(steps, "convert", time.perf_counter() - t1)
         return out
 
     @staticmethod
@@ -223,7 +274,7 @@ class CacheFolder:
         must hold ``ckpt``'s entry, and every array in the shape and dtype its layout says."""
         import mlx.core as mx
 
-        data = self._read(ckpt.file, ckpt.crc32, ckpt.nbytes)
+        data = self._read(ckpt)
         stored = read_safetensors(data, ckpt.file)
         entry = stored.pop(ENTRY, None)
         if entry is None or entry.dtype_name != "uint8" or \
@@ -384,8 +435,8 @@ class CacheFolder:
                 k, v = growing_kv(obj, start, end)
                 tensors[f"k.{j}"], tensors[f"v.{j}"] = k.astype(dtype), v.astype(dtype)
         tensors[TOKENS] = mx.array(tokens[start:end], dtype=mx.int32)
-        name, crc, nbytes = write_tensors(self.folder, "seg", tensors, taken)
-        return Segment(name, start, end, crc, nbytes)
+        name, xxh3, nbytes = write_tensors(self.folder, "seg", tensors, taken)
+        return Segment(name, start, end, xxh3, nbytes)
 
     def _cut_segment(self, seg: Segment, end: int, taken: set[str],
                      into: Path | None = None) -> Segment:
@@ -393,14 +444,14 @@ class CacheFolder:
         quantized segment is never quantized twice), into this folder or ``into``."""
         import mlx.core as mx
 
-        arrays = read_safetensors(self._read(seg.file, seg.crc32, seg.nbytes), seg.file)
+        arrays = read_safetensors(self._read(seg), seg.file)
         n = end - seg.start
         tensors = {}
         for name, stored in arrays.items():
             arr = mx.array(stored.array[:n] if name == TOKENS else stored.array[:, :n])
             tensors[name] = arr.view(mx.bfloat16) if stored.dtype_name == "bfloat16" else arr
-        name, crc, nbytes = write_tensors(into or self.folder, "seg", tensors, taken)
-        return Segment(name, seg.start, end, crc, nbytes)
+        name, xxh3, nbytes = write_tensors(into or self.folder, "seg", tensors, taken)
+        return Segment(name, seg.start, end, xxh3, nbytes)
 
     def _write_checkpoint(self, layout: Layout, snap: Captured, tokens: list[int],
                           taken: set[str]) -> Checkpoint:
@@ -419,8 +470,8 @@ class CacheFolder:
         ids = ids_crc(tokens[: snap.pos])
         entry = entry_bytes(snap.pos, snap.meta, names, ids)
         tensors[ENTRY] = mx.array(np.frombuffer(entry, dtype=np.uint8))
-        name, crc, nbytes = write_tensors(self.folder, "ckpt", tensors, taken)
-        return Checkpoint(name, snap.pos, crc, nbytes, snap.meta, tuple(names), ids, layout)
+        name, xxh3, nbytes = write_tensors(self.folder, "ckpt", tensors, taken)
+        return Checkpoint(name, snap.pos, xxh3, nbytes, snap.meta, tuple(names), ids, layout)
 
     def remove_strays(self, live: set[str]) -> None:
         for f in self.folder.iterdir():
@@ -456,3 +507,16 @@ def _workers() -> int:
     return max(1, int(share) if share.isdigit() else min(os.cpu_count() or 1, 8))
 
 
+# Map a segment's pages in one call where the system can (Linux): no fault per page after.
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+
+
+_STEPS_LOCK = threading.Lock()
+
+
+def _add(steps: dict | None, step: str, seconds: float) -> None:
+    """Count ``seconds`` toward ``step`` of a ``load_growing`` timing (when one is kept);
+    from any thread."""
+    if steps is not None:
+        with _STEPS_LOCK:
+            steps[step] = steps.get(step, 0.0) + seconds
