@@ -86,20 +86,26 @@ class Engine:
         """
         backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
+        digest = model_digest(ref.path)
+        weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
+        split = group is not None and group.size > 1
+        # The CPU weights are read while mlx-lm (and transformers) import: they were made
+        # from this digest, and the thread is joined before MLX is used here.
+        fetched = None if split else backend.prefetch(weights_cache, digest)
         from mlx_lm.tokenizer_utils import load as load_tokenizer
         from mlx_lm.utils import load_model
 
-        split = group is not None and group.size > 1
+        if fetched is not None:
+            fetched.join()
         try:
-            model, config = load_model(ref.path, lazy=split)
+            # Lazy: the quantized weights that the CPU path replaces are then never read.
+            model, config = load_model(ref.path, lazy=True)
             tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
-        digest = model_digest(ref.path)
-        weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
         slow = backend.slow_path_notice()
         if split:
             from .cluster import split
@@ -109,7 +115,14 @@ class Engine:
                                         backend.tune(m, weights_cache.with_name(
                                             f"{digest[:32]}{suffix}.safetensors"), digest))
         else:
-            tuned = backend.tune(model, weights_cache, digest)
+            import mlx.core as mx
+
+            try:
+                tuned = backend.tune(model, weights_cache, digest, fetched)
+                mx.eval(model.parameters())  # what tune did not replace (all, off the CPU)
+            except (RuntimeError, ValueError) as err:  # the model's own files, read lazily
+                reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         engine.notices = ([slow] if slow else []) + tuned
         attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
         if unknown := engine.info().unknown:

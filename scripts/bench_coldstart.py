@@ -1,10 +1,13 @@
-"""Cold start: process start to first reply byte of ``localchat ask`` on a resumed conversation.
+"""Cold start: process start to first reply byte (and to exit) of ``localchat ask`` resumed.
 
 Side by side in one run, on the default model (or -m MODEL), with a ~1k-token history:
 - resumed: ``localchat ask -c NAME "…"`` (the cache comes from disk);
 - full prefill: the same with ``--no-cache`` on a copy of the conversation.
 Each figure is the time from spawning the process to the first byte on stdout (model loading,
-imports and cache loading included), median of several trials, in a scratch data folder.
+imports and cache loading included) and to its exit (4 tokens generated), median of several
+trials, in a scratch data folder. Then what ``ask`` imports, alone under ``python -X
+importtime`` (localchat's CLI, then mlx-lm as ``Engine.load`` imports it; a run of ``ask`` itself
+would mix in the thread that reads the CPU weights meanwhile): seconds per top-level package.
 
 Usage: python scripts/bench_coldstart.py [--quick | --smoke] [-m MODEL] [--history N]
 ``--quick``: 2 trials. ``--smoke``: one trial on a 128-token history, every step in seconds on
@@ -26,17 +29,31 @@ sys.path.insert(0, str(Path(__file__).parent))
 import benchlib  # noqa: E402
 
 
-def first_byte(cmd: list[str], env: dict) -> float:
-    """Seconds from spawning ``cmd`` to its first byte on stdout (it must then succeed)."""
+def first_byte(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    """Seconds from spawning ``cmd`` to its first byte on stdout and to its exit (it must
+    succeed), and its stderr."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.read(1)
     elapsed = time.perf_counter() - t0
     _, err = proc.communicate()
+    ended = time.perf_counter() - t0
+    text = err.decode(errors="replace")
     if proc.returncode != 0:
-        lines = err.decode(errors="replace").strip().splitlines() or ["no message"]
+        lines = text.strip().splitlines() or ["no message"]
         raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {lines[-1]}")
-    return elapsed
+    return elapsed, ended, text
+
+
+def imports(stderr: str) -> dict[str, float]:
+    """Seconds of import per top-level package, from ``-X importtime`` lines (self times)."""
+    out: dict[str, float] = {}
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line and "self [us]" not in line:
+            us, _, name = (x.strip() for x in line[len("import time:"):].split("|"))
+            top = name.split(".")[0]
+            out[top] = out.get(top, 0.0) + int(us) / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def main() -> None:
@@ -68,18 +85,31 @@ def main() -> None:
     benchlib.run(exe + ["-c", "resumed", "Thanks."], env)
     resumed, full = [], []
     for i in range(trials):
-        resumed.append(first_byte(exe + ["-c", "resumed", f"Question {i}?"], env))
-        full.append(first_byte(exe + ["-c", "full", "--no-cache", f"Question {i}?"], env))
-    r, f = benchlib.median(resumed), benchlib.median(full)
+        resumed.append(first_byte(exe + ["-c", "resumed", f"Question {i}?"], env)[:2])
+        full.append(first_byte(exe + ["-c", "full", "--no-cache", f"Question {i}?"], env)[:2])
+    r, f = (benchlib.median([x[0] for x in resumed]), benchlib.median([x[0] for x in full]))
+    r_end, f_end = (benchlib.median([x[1] for x in resumed]),
+                    benchlib.median([x[1] for x in full]))
+    code = ("import localchat.cli; from localchat.cpu import backend; backend.prepare(); "
+            "import mlx_lm.tokenizer_utils, mlx_lm.utils")
+    took = imports(subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
+                                  capture_output=True, text=True, check=True).stderr)
     print(f"# cold start · {engine.ref.name} · ~{history}-token history · "
           f"{benchlib.machine()} · median of {trials}")
-    benchlib.print_table(["run", "process start to first token s", "ratio"],
-                         [["localchat ask, resumed from disk", r, "1.00x"],
-                          ["localchat ask --no-cache (full prefill)", f, f"{f / r:.1f}x"]])
+    benchlib.print_table(["run", "process start to first token s", "to exit s", "ratio"],
+                         [["localchat ask, resumed from disk", r, r_end, "1.00x"],
+                          ["localchat ask --no-cache (full prefill)", f, f_end,
+                           f"{f / r:.1f}x"]])
+    print()
+    top = list(took.items())[:8]
+    benchlib.print_table(["package (-X importtime, what ask imports)", "import s"],
+                         [[name, secs] for name, secs in top]
+                         + [["all", sum(took.values())]])
     benchlib.print_json({"bench": "coldstart", "mode": benchlib.mode(args),
                          "model": engine.ref.name, "machine": benchlib.machine(),
                          "history": history, "trials": trials, "resumed_s": r,
-                         "full_prefill_s": f, "ratio": f / r})
+                         "full_prefill_s": f, "ratio": f / r, "resumed_exit_s": r_end,
+                         "full_prefill_exit_s": f_end, "imports_s": took})
 
 
 if __name__ == "__main__":

@@ -33,6 +33,16 @@ def test_cpu_runs_quantized_weights_dequantized_and_caches_them(home, quantized_
     assert any(isinstance(m, nn.Linear) and m.weight.dtype == mx.float32 for m in layers)
     cached = list((home / "cpu-weights").glob("*.safetensors"))
     assert len(cached) == 1
+    # The second load reads the cache on a thread while mlx-lm imports (backend.prefetch).
+    from localchat.cpu import backend
+    from localchat.cpu.derived import load_checked
+
+    source = first.info().model_digest
+    fetched = backend.prefetch(cached[0], source)
+    assert fetched is not None
+    got, direct = fetched.result(), load_checked(cached[0], source)
+    assert got.keys() == direct.keys() and all(mx.array_equal(got[k], direct[k]) for k in got)
+    assert backend.prefetch(cached[0].with_name("none.safetensors"), source) is None
     second = Engine.load(str(quantized_model))  # from the weights cache this time
     out1, out2 = first.model(x), second.model(x)
     assert mx.array_equal(out1, out2)

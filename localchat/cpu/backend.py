@@ -264,7 +264,59 @@ def describe() -> str:
     return f"{name}, {matmul_gflops():.0f} GFLOP/s (512² float32 matmul)"
 
 
-def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str]:
+class Prefetch:
+    """A CPU weights file read and checked on a thread of its own (``load_checked``), started
+    before the slow imports (mlx-lm brings in transformers: ~0.9 s here) so that reading
+    ~0.5 GB overlaps them; ``tune`` takes the result. MLX and numpy read and check without
+    the GIL."""
+
+    def __init__(self, path: Path, source: str) -> None:
+        import threading
+
+        self.path, self.source = path, source
+        self._dense: dict | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="localchat-weights", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            import mlx.core as mx
+
+            dense = load_checked(self.path, self.source)
+            if dense is not None:
+                try:
+                    mx.eval(dense)
+                except (RuntimeError, ValueError) as err:  # read as tune would have read it
+                    raise DerivedDamaged(f"{self.path.name} is unreadable "
+                                         f"({type(err).__name__})") from None
+            self._dense = dense
+        except BaseException as err:  # noqa: BLE001 - raised again where the result is taken
+            self._error = err
+
+    def join(self) -> None:
+        """Wait for the thread (before the caller uses MLX itself)."""
+        self._thread.join()
+
+    def result(self) -> dict | None:
+        """What ``load_checked`` returned, once the thread is done (its exception raised)."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._dense
+
+
+def prefetch(weights_cache: Path, source: str) -> Prefetch | None:
+    """Start reading ``weights_cache`` for ``tune`` where it will be used (the CPU path, weights
+    kept dequantized); None elsewhere."""
+    if not cpu_path() or os.environ.get("LOCALCHAT_DEQUANTIZE") == "0" or \
+            not weights_cache.is_file():
+        return None
+    return Prefetch(weights_cache, source)
+
+
+def tune(model, weights_cache: Path | None = None, source: str = "",
+         fetched: Prefetch | None = None) -> list[str]:
     """On the CPU, replace quantized layers by float32 ones (BLAS matmuls).
 
     Dequantizing the default model takes ~1.6 s, so the float32 result is kept in
@@ -275,6 +327,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str
 
     Args:
         source: the model's digest; a weights file made from another one is not used.
+        fetched: ``weights_cache`` already being read (``prefetch``).
     Returns:
         Notices for the user (a damaged weights file was rebuilt, or could not be kept).
     """
@@ -294,7 +347,8 @@ def tune(model, weights_cache: Path | None = None, source: str = "") -> list[str
     dense = None
     if weights_cache is not None:
         try:
-            dense = load_checked(weights_cache, source)
+            dense = fetched.result() if fetched is not None else \
+                load_checked(weights_cache, source)
         except DerivedDamaged as err:
             notices.append(f"CPU weights rebuilt: {err}")
     if dense is None or set(dense) != {name for name, _ in quantized}:
