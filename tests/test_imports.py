@@ -75,6 +75,7 @@ LAYERS = {
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
                 "localchat.replies", "localchat.cachereport"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
+                   "localchat.cli_session",
                    "localchat.batch", "localchat.batchlines", "localchat.parallel",
                    "localchat.tui", "localchat.tui.*", "localchat.server", "localchat.server.*",
                    "localchat.cluster.launch", "localchat.cluster.follower"],
