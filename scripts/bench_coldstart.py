@@ -5,7 +5,9 @@ Side by side in one run, on the default model (or -m MODEL), with a ~1k-token hi
 - full prefill: the same with ``--no-cache`` on a copy of the conversation.
 Each figure is the time from spawning the process to the first byte on stdout (model loading,
 imports and cache loading included) and to its exit (4 tokens generated), median of several
-trials, in a scratch data folder. Then what ``ask`` imports, alone under ``python -X
+trials, in a scratch data folder. The chat app too: ``localchat chat -c NAME`` in a
+pseudo-terminal, process start to its first frame and to the model being ready (the status bar
+shows the context). Then what ``ask`` imports, alone under ``python -X
 importtime`` (localchat's CLI, then mlx-lm as ``Engine.load`` imports it; a run of ``ask`` itself
 would mix in the thread that reads the CPU weights meanwhile): seconds per top-level package.
 
@@ -43,6 +45,41 @@ def first_byte(cmd: list[str], env: dict) -> tuple[float, float, str]:
         lines = text.strip().splitlines() or ["no message"]
         raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {lines[-1]}")
     return elapsed, ended, text
+
+
+def chat_start(cmd: list[str], env: dict, timeout: float = 120.0) -> tuple[float, float]:
+    """Seconds from spawning the app ``cmd`` in an 40x120 pty to its first frame (the
+    alternate screen taken) and to the model ready (``ctx `` in the status bar); then killed."""
+    import fcntl
+    import pty
+    import signal
+    import struct
+    import termios
+
+    t0 = time.perf_counter()
+    pid, fd = pty.fork()
+    if pid == 0:  # the child
+        os.environ.update(env, TERM="xterm-256color")
+        os.execv(cmd[0], cmd)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    seen, marks = bytearray(), {}
+    try:
+        while len(marks) < 2 and time.perf_counter() - t0 < timeout:
+            try:
+                seen += os.read(fd, 65536)
+            except OSError:
+                break
+            for name, what in (("frame", b"\x1b[?1049h"), ("ready", b"ctx ")):
+                if name not in marks and what in seen:
+                    marks[name] = time.perf_counter() - t0
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(fd)
+    if len(marks) < 2:
+        raise SystemExit(f"the app showed no {'frame' if not marks else 'model'} in "
+                         f"{timeout:.0f} s: {bytes(seen[-300:])!r}")
+    return marks["frame"], marks["ready"]
 
 
 def imports(stderr: str) -> dict[str, float]:
@@ -90,6 +127,9 @@ def main() -> None:
     r, f = (benchlib.median([x[0] for x in resumed]), benchlib.median([x[0] for x in full]))
     r_end, f_end = (benchlib.median([x[1] for x in resumed]),
                     benchlib.median([x[1] for x in full]))
+    app = benchlib.localchat("chat", "-c", "resumed")
+    chat = [chat_start(app, env) for _ in range(trials)]
+    frame, ready = (benchlib.median([x[0] for x in chat]), benchlib.median([x[1] for x in chat]))
     code = ("import localchat.cli; from localchat.cpu import backend; backend.prepare(); "
             "import mlx_lm.tokenizer_utils, mlx_lm.utils")
     took = imports(subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env,
@@ -101,6 +141,9 @@ def main() -> None:
                           ["localchat ask --no-cache (full prefill)", f, f_end,
                            f"{f / r:.1f}x"]])
     print()
+    benchlib.print_table(["localchat chat -c NAME", "process start to first frame s",
+                          "to the model ready s"], [["the app, in a pty", frame, ready]])
+    print()
     top = list(took.items())[:8]
     benchlib.print_table(["package (-X importtime, what ask imports)", "import s"],
                          [[name, secs] for name, secs in top]
@@ -109,7 +152,8 @@ def main() -> None:
                          "model": engine.ref.name, "machine": benchlib.machine(),
                          "history": history, "trials": trials, "resumed_s": r,
                          "full_prefill_s": f, "ratio": f / r, "resumed_exit_s": r_end,
-                         "full_prefill_exit_s": f_end, "imports_s": took})
+                         "full_prefill_exit_s": f_end, "chat_first_frame_s": frame,
+                         "chat_model_ready_s": ready, "imports_s": took})
 
 
 if __name__ == "__main__":
