@@ -102,6 +102,10 @@ def reply_start(engine, tokens: list[int], prompt_tokens: int) -> int:
     ("qwen3_next", "opens", None),
     ("qwen3_next", "closed", False),  # thinking off: an empty block the re-render drops
     ("llama", "closed", False),
+    # Every other cache class and family: MLA, sliding window + sinks, chunked, recurrent,
+    # CacheLists (families.py says which family holds which).
+    *[(f, "closed", None) for f in ("qwen3", "deepseek_v3", "gpt_oss", "llama4", "lfm2",
+                                    "mamba2", "falcon_h1", "baichuan_m1", "deepseek_v32")],
 ])
 def test_turns_resume_at_the_previous_reply_and_equal_full_prefills(
         home, store, built, forced, family, template, thinking):
