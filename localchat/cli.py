@@ -38,7 +38,7 @@ from .cli_session import (
     thinking_setting,
 )
 from .errors import BadInput, LocalchatError
-from .fmt import StatusLine, human_bytes, say
+from .fmt import StatusLine, human_bytes, say, visible
 from .models import DEFAULT_MODEL
 from .server.run import cmd_serve
 
@@ -281,6 +281,9 @@ def _print_turn(events, as_json: bool, cancel, show_thinking: bool = False):
     from .events import Notice, PrefillProgress, ReasoningChunk, ReplyChunk, TurnFinished
 
     progress = StatusLine(enabled=sys.stderr.isatty())
+    # On a terminal, control characters in a reply (a model's ESC) are shown, not obeyed,
+    # as `show` does; piped, the text goes out as it is.
+    shown = visible if sys.stdout.isatty() else str
     finished = None
     thought = False
     with _GracefulInterrupt(cancel.set):
@@ -288,7 +291,7 @@ def _print_turn(events, as_json: bool, cancel, show_thinking: bool = False):
             if isinstance(ev, ReasoningChunk):
                 progress.clear()
                 if show_thinking and not as_json:
-                    sys.stdout.write(ev.text)
+                    sys.stdout.write(shown(ev.text))
                     sys.stdout.flush()
                     thought = True
             elif isinstance(ev, ReplyChunk):
@@ -297,7 +300,7 @@ def _print_turn(events, as_json: bool, cancel, show_thinking: bool = False):
                     if thought:  # the answer starts after the thinking
                         sys.stdout.write("\n\n")
                         thought = False
-                    sys.stdout.write(ev.text)
+                    sys.stdout.write(shown(ev.text))
                     sys.stdout.flush()
             elif isinstance(ev, PrefillProgress):
                 progress.show(f"prefill {ev.done}/{ev.total} tokens")

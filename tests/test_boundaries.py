@@ -406,3 +406,37 @@ def test_a_looser_existing_folder_gets_a_notice_not_a_chmod(tmp_path):
     assert stat.S_IMODE(home.stat().st_mode) == 0o755
     home.chmod(0o700)
     assert "can be read" not in _cli(home, "list").stderr
+
+
+@settings(max_examples=200, deadline=None)
+@given(pieces=st.lists(TEXTS, min_size=1, max_size=4), tty=st.booleans(),
+       thinking=st.booleans())
+def test_ask_prints_a_reply_literally_on_a_terminal_and_as_it_is_when_piped(pieces, tty,
+                                                                            thinking):
+    """What a model streams (markup, escapes, control characters) reaches a terminal as
+    pictures, never obeyed; piped, the bytes are the reply's own. Its thinking the same."""
+    import io
+
+    from localchat.cli import _print_turn
+    from localchat.events import ReasoningChunk, ReplyChunk, TurnFinished
+
+    class Out(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    events = ([ReasoningChunk(p) for p in pieces] if thinking else []) + \
+        [ReplyChunk(p) for p in pieces] + [TurnFinished.__new__(TurnFinished)]
+    out, real = Out(), sys.stdout
+    sys.stdout = out
+    try:
+        _print_turn(iter(events), False, type("C", (), {"set": lambda self: None})(),
+                    show_thinking=True)
+    finally:
+        sys.stdout = real
+    whole = "".join(pieces)
+    expected = (whole + "\n\n" if thinking else "") + whole
+    if tty:
+        assert out.getvalue() == visible(expected)
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", out.getvalue())
+    else:
+        assert out.getvalue() == expected
