@@ -71,15 +71,11 @@ def load_growing(folder: Path, man: Manifest, upto: int, dtype=None, headroom: i
         return [(None, None) for _ in specs]
     target = str(dtype or man.layout.dtype).replace("mlx.core.", "")
     segs = [seg for seg in man.segments if seg.start < upto]
-    # The segments are mapped, not copied, and checked on the pool's threads (xxhash
-    # releases the GIL) while this thread has MLX allocate the first buffers; each buffer
-    # is then filled on the pool (numpy casts float16 -> float32 without the GIL) while
-    # this thread allocates the next. At a 4k history on the default model that is ~95 MB
-    # in and ~190 MB out, all of it memory-bound (scripts/bench_load.py).
-    # One buffer per leaf and side, owned by its cache alone (appends update it in
-    # place), zero past ``upto``; MLX allocates it and numpy fills it through the
-    # buffer protocol, casting on the way: one pass over the data, no second copy.
-    # (numpy has no bfloat16: such data comes as its raw uint16, cast by MLX after.)
+    # One buffer per leaf and side, owned by its cache alone (appends update it in place),
+    # zero past ``upto``: MLX allocates it on this thread, then the pool fills it through
+    # the buffer protocol, numpy casting on the way (one pass, no second copy), while this
+    # thread allocates the next (see the module docstring). numpy has no bfloat16: such
+    # data comes as its raw uint16, cast by MLX after.
     cast_in_numpy = "bfloat16" not in (target, man.layout.dtype)
     jobs = [(j, side) for j in range(len(specs)) for side in (0, 1)]
     bufs: list[list] = [[None, None] for _ in specs]
@@ -118,8 +114,7 @@ def load_growing(folder: Path, man: Manifest, upto: int, dtype=None, headroom: i
                     raise CacheInvalid(f"segment {seg.file} holds other token ids")
                 for j, spec in enumerate(specs):
                     parts[j].append(tuple(
-                        _side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file,
-                                   target)
+                        _side(arrays, f"{side}.{j}", shape, n, man.layout, seg.file, target)
                         for side, shape in (("k", spec.k_shape), ("v", spec.v_shape))))
             except CacheInvalid as err:
                 raise CacheInvalid(str(err), usable=seg.start) from None
