@@ -91,6 +91,6 @@ def session_for(model: str | None, args=None):
 
     group = start_cluster(args, model)
     session = open_session(model, progress=say, group=group)
-    for text in session.engine.notices:
+    for text in session.start_notices():
         say(text)
     return session

@@ -86,3 +86,77 @@ def take_unsent() -> tuple[str | None, str] | None:
     except OSError:
         pass
     return (conv, text) if ok and text.strip() else None
+
+
+# -- turns a process never finished -----------------------------------------------------------
+# A fault below Python (SIGILL or SIGSEGV in a native library), SIGKILL or a power loss ends the
+# process with no handler run. The user's message was saved before any model work; what is
+# missing is the word that the turn died. A marker per running turn says so at the next start.
+
+
+def turn_started(folder: Path, conv_id: int, name: str) -> Path | None:
+    """Mark a turn of conversation ``name`` as running in this process; None if it cannot be
+    written (the turn runs all the same: the marker only serves the next start's notice)."""
+    marker = folder / f"{conv_id}.turn"
+    try:
+        paths.ensure(folder)
+        tmp = folder / f".{conv_id}.turn.{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"pid": os.getpid(), "conversation": name, "started": time.time()}, f)
+        os.replace(tmp, marker)
+        return marker
+    except OSError:
+        return None
+
+
+def turn_ended(marker: Path | None) -> None:
+    """The turn ended (a reply, an error, Ctrl-C): no notice at the next start."""
+    if marker is not None:
+        try:
+            marker.unlink()
+        except OSError:
+            pass
+
+
+def unfinished_turns(folder: Path) -> list[str]:
+    """One line per turn a process started in ``folder`` and never ended because the process
+    is gone; those markers are removed once reported. A damaged marker is removed silently:
+    it names nothing to report."""
+    lines = []
+    try:
+        markers = sorted(folder.glob("*.turn"))
+    except OSError:
+        return []
+    for marker in markers:
+        try:
+            obj = json.loads(marker.read_text(encoding="utf-8"))
+            pid, name, started = obj["pid"], obj["conversation"], obj["started"]
+            ok = type(pid) is int and pid > 0 and isinstance(name, str) and \
+                type(started) in (int, float) and len(obj) == 3
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+            ok = False
+        if ok and _alive(pid):
+            continue
+        try:
+            marker.unlink()
+        except OSError:
+            continue
+        if ok:
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(started))
+            lines.append(f"the turn in {name!r} started {when} did not finish: localchat "
+                         "stopped during it (a crash below Python, a kill or a power loss); "
+                         f"your message is kept, and `localchat ask -c {name} --regenerate` "
+                         "(Regenerate in the app) answers it")
+    return lines
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True

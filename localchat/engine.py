@@ -106,7 +106,7 @@ class Engine:
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
-        slow = backend.slow_path_notice()
+        slow = backend.blas_notice()
         if split:
             from .cluster import split
 

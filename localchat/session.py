@@ -34,7 +34,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import paths
+from . import crashlog, paths
 from .cluster.group import ClusterLost
 from .conversations import Conversations
 from .drafts import Drafts, NoDrafts
@@ -81,6 +81,8 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     if lock_timeout is None:
         lock_timeout = float(os.environ.get("LOCALCHAT_LOCK_TIMEOUT", "60"))
     session = Session(store, engine, paths.kv_root(), paths.locks_dir(), lock_timeout)
+    # Turns an earlier process never finished (killed below Python), said once.
+    session.unfinished = crashlog.unfinished_turns(session.locks_dir)
     # Before the app's hook: once the app has given the terminal back, it may exit.
     engine.group.on_lost.insert(0, session.save_partial)
     return session
@@ -106,6 +108,7 @@ class Session:
         self.sharing = self.group.local_only(Sharing(engine, self.cache.kv_root), NoSharing())
         self.drafts = self.group.local_only(Drafts(self.cache, self.conversations), NoDrafts())
         self._running: tuple[Conversation, Run] | None = None  # for ``save_partial``
+        self.unfinished: list[str] = []  # turns a killed process left (``open_session``)
 
     @property
     def kv_root(self) -> Path:
@@ -115,6 +118,11 @@ class Session:
     @property
     def locks_dir(self) -> Path:
         return self.conversations.locks_dir
+
+    def start_notices(self) -> list[str]:
+        """What every front end says once at start: the model's loading notices, then the
+        turns an earlier process started and never finished."""
+        return [*self.engine.notices, *self.unfinished]
 
     @property
     def model_name(self) -> str:
@@ -252,9 +260,13 @@ class Session:
                 "options": dataclasses.asdict(options),
                 "messages": [(m.seq, m.role, m.content, m.partial, m.extra)
                              for m in self.store.messages(conv)]})
-            with self._reported():
-                reason = self.conversations.cut(conv, cut) if cut else ""
-                yield from self._turn(conv, new, options, cancel, t0, reason)
+            marker = crashlog.turn_started(self.locks_dir, conv.id, conv.name)
+            try:
+                with self._reported():
+                    reason = self.conversations.cut(conv, cut) if cut else ""
+                    yield from self._turn(conv, new, options, cancel, t0, reason)
+            finally:
+                crashlog.turn_ended(marker)
         finally:
             lock.release()
             self._running = None

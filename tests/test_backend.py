@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from localchat.cpu import backend
+from localchat.cpu import backend, runtime
 from localchat.engine import Engine
 
 
@@ -90,15 +90,15 @@ def test_fresh_machine_without_libgfortran_still_gets_openblas(tmp_path):
 
 
 def test_soname_patch_changes_only_the_soname():
-    libs = backend._bundled_gfortran()
+    libs = runtime.bundled_gfortran()
     if not libs:
         pytest.skip("no wheel here bundles libgfortran")
     original = libs[0][0].read_bytes()
-    patched = backend.soname_patched(original, b"libgfortran.so.5")
+    patched = runtime.soname_patched(original, b"libgfortran.so.5")
     assert len(patched) == len(original)
     assert sum(a != b for a, b in zip(original, patched)) <= 8  # one DT_SONAME value
     with pytest.raises(ValueError):
-        backend.soname_patched(original, b"libnothing.so.9")
+        runtime.soname_patched(original, b"libnothing.so.9")
 
 
 @pytest.mark.cpu_only
@@ -106,11 +106,21 @@ def test_soname_patch_changes_only_the_soname():
 def test_no_fast_blas_says_so_once_and_still_answers(tiny_model, tmp_path):
     import subprocess
 
-    env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home"),
-           "LOCALCHAT_BLAS": str(tmp_path / "missing" / "libopenblas.so")}
-    out = subprocess.run([sys.executable, "-m", "localchat", "ask", "-m", str(tiny_model),
-                          "--max-tokens", "5", "--json", "Hello"], env=env,
+    missing = tmp_path / "missing" / "libopenblas.so"
+    env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home"), "LOCALCHAT_BLAS": str(missing)}
+    ask = ["ask", "-m", str(tiny_model), "--max-tokens", "5", "--json", "Hello"]
+    # The named library is missing: the next candidate answers, one line says so.
+    out = subprocess.run([sys.executable, "-m", "localchat", *ask], env=env,
                          capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if "refused" in ln]
+    assert len(lines) == 1 and f"LOCALCHAT_BLAS={missing} refused" in lines[0]
+    assert "using " in lines[0] and "slow CPU path" not in out.stderr
+    # And no other candidate either (none on this machine's paths): MLX's reference BLAS.
+    only = ("import sys; from localchat.cpu import backend; backend.candidates = lambda: []; "
+            "from localchat.cli import main; sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", only, *ask], env=env, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = [ln for ln in out.stderr.splitlines() if "slow CPU path" in ln]
     assert len(lines) == 1 and "libopenblas.so" in lines[0] and "LOCALCHAT_BLAS=" in lines[0]
@@ -173,7 +183,7 @@ def test_other_backends_keep_quantized_weights_and_mlx_attention(home, quantized
 
     monkeypatch.setenv("LOCALCHAT_CPU_PATH", "off")
     assert backend.cpu_path() is False
-    assert "MLX's own kernels" in backend.describe() and backend.slow_path_notice() is None
+    assert "MLX's own kernels" in backend.describe() and backend.blas_notice() is None
     was = attention.installed()
     attention.uninstall()
     try:

@@ -48,6 +48,12 @@ def _batch(r: dict) -> None:
     assert r["decode_strategies"]["lines"] == 2
 
 
+def _blas(r: dict) -> None:
+    timed = [x for x in r["results"] if "refused" not in x]
+    assert [x["setting"] for x in timed][:2] == ["1 thread", "all cores, spin"]
+    assert all(x["quiet"]["decode_tps"] > 0 and x["loaded"]["decode_tps"] > 0 for x in timed)
+
+
 def _cluster(r: dict) -> None:
     # The tiny llama splits by heads (4 heads, 2 KV heads over 2 ranks), not by layers.
     assert [row["mode"] for row in r["rows"]] == ["one process", "tensor"]
@@ -108,6 +114,7 @@ CASES = {
                        "max_logit_diff"}, _attention),
     "batch": Case({"lines", "batch_wall_s", "asks_wall_s", "asks_vs_batch", "parallel_wall_s",
                    "parallel_replies_equal", "cached_tokens", "decode_strategies"}, _batch),
+    "blas": Case({"bench", "mode", "results"}, _blas),
     "cluster": Case({"rows", "skipped"}, _cluster),
     "coldstart": Case({"history", "trials", "resumed_s", "full_prefill_s", "ratio",
                        "resumed_exit_s", "chat_first_frame_s", "chat_model_ready_s",

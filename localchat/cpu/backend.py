@@ -5,15 +5,11 @@ f32 matmul) and quantized matmuls use no BLAS at all, so a 4-bit model prefills 
 Two changes make it fast there:
 
 - ``prepare()``, before ``mlx.core`` is imported, loads OpenBLAS with ``RTLD_GLOBAL`` so that
-  libmlx's ``cblas_sgemm`` binds to it (~200-470 GFLOP/s here). It looks for the
-  ``cmeel-openblas`` wheel (a Linux dependency of localchat), then the system's libopenblas.
-  ``LOCALCHAT_BLAS=/path/to/libopenblas.so`` picks one; ``LOCALCHAT_BLAS=off`` disables it.
-  The wheel's library needs ``libgfortran.so.5``, which a fresh Debian or Ubuntu lacks; the
-  ``mlx[cpu]`` and NumPy wheels carry a copy under a mangled name, so when the system has none
-  ``prepare()`` makes a copy of that one whose ELF ``DT_SONAME`` says ``libgfortran.so.5`` (an
-  8-byte change, in ``$LOCALCHAT_HOME/cpu-runtime/``, checked against its source at each
-  start) and loads it first. When no fast BLAS loads, ``slow_path_notice()`` says why and how
-  to fix it, once, in one line.
+  libmlx's ``cblas_sgemm`` binds to it (~200-470 GFLOP/s here). Candidates, each run first in
+  a child process (``probe.py``): ``LOCALCHAT_BLAS``, the system's libopenblas, the
+  ``cmeel-openblas`` wheel (a Linux dependency of localchat); ``LOCALCHAT_BLAS=off`` disables
+  it. Loading (and the libgfortran the wheel needs) is ``runtime.py``. When no fast BLAS
+  loads, or one was refused, ``blas_notice()`` says why and how to fix it, once, in one line.
 - ``tune(model)``, after loading, dequantizes quantized layers to float32 when the default
   device is the CPU, so every matmul goes through that BLAS (measured on the default model:
   prefill 10 → 320 tok/s, decode 9 → 21 tok/s; float16 on CPU is slower than float32). The
@@ -24,18 +20,15 @@ Neither touches a Metal or CUDA run: there the quantized kernels are the fast pa
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
-import struct
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..paths import runtime_dir
+from . import probe
 from .derived import DerivedDamaged, load_checked, save_checked
+from .probe import Verdict
+from .runtime import load_global, matmul_gflops
 
 
 @dataclass(frozen=True)
@@ -45,6 +38,8 @@ class BlasStatus:
     path: str | None  # the library loaded globally, None: MLX's bundled reference BLAS
     detail: str  # why no fast BLAS was loaded ("" when one was, or off by choice)
     disabled: bool = False  # LOCALCHAT_BLAS=off
+    verdict: Verdict | None = None  # what the test run of ``path`` found (core, rate)
+    refused: str = ""  # the candidates their test runs refused, and why (one line)
 
 
 _status: BlasStatus | None = None
@@ -52,6 +47,12 @@ _status: BlasStatus | None = None
 
 def prepare() -> BlasStatus:
     """Load a fast BLAS globally if this is a Linux process; return what was loaded.
+
+    Candidates, in order: ``LOCALCHAT_BLAS``, the system's OpenBLAS (Debian's and Ubuntu's
+    dispatch to this CPU's kernels at run time), the ``cmeel-openblas`` wheel. Each is run in
+    a child process first (``probe.check``: once per library and CPU, then remembered); one
+    that crashes there, computes wrong numbers or hangs is never loaded here, and the next is
+    tried. None left: MLX's reference BLAS and ``blas_notice``.
 
     Must run before ``mlx.core`` is imported (libmlx binds ``cblas_sgemm`` at its load).
     """
@@ -66,15 +67,23 @@ def prepare() -> BlasStatus:
         _status = BlasStatus(None, "", disabled=True)
         return _status
     errors = []
-    for path in [choice] if choice else _candidates():
+    found = candidates()
+    if choice:
+        found = [choice] + [c for c in found if os.path.realpath(c) != os.path.realpath(choice)]
+    for path in found:
+        verdict = probe.check(path)
+        if not verdict.ok:
+            errors.append(f"{'LOCALCHAT_BLAS=' if path == choice else ''}{path} refused: "
+                          f"{verdict.reason}")
+            continue
         try:
-            _load_with_runtime(path)
+            load_global(path)
         except OSError as err:
             errors.append(str(err).splitlines()[0])
             continue
-        _status = BlasStatus(path, "")
+        _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors))
         return _status
-    _status = BlasStatus(None, errors[-1] if errors else "no libopenblas found")
+    _status = BlasStatus(None, "; ".join(errors) if errors else "no libopenblas found")
     return _status
 
 
@@ -82,128 +91,28 @@ def blas_in_use() -> str | None:
     return prepare().path
 
 
-def _candidates() -> list[str]:
+# Where Debian, Ubuntu, Fedora and Arch put the system's OpenBLAS (checked directly: asking
+# ldconfig through ctypes.util costs a process per start).
+_SYSTEM_DIRS = ("/usr/lib/{triplet}", "/usr/lib64", "/usr/lib", "/usr/local/lib")
+
+
+def candidates() -> list[str]:
+    """The libraries ``prepare`` tries after ``LOCALCHAT_BLAS``: the system's OpenBLAS, then
+    the wheel's (each entry of ``sys.path`` that has one)."""
+    import platform
+
     found = []
+    triplet = f"{platform.machine()}-linux-gnu"
+    for folder in _SYSTEM_DIRS:
+        lib = Path(folder.format(triplet=triplet)) / "libopenblas.so.0"
+        if lib.exists():
+            found.append(str(lib))
+            break
     for entry in sys.path:
         lib = Path(entry) / "cmeel.prefix" / "lib" / "libopenblas.so.0"
         if lib.is_file():
             found.append(str(lib))
-    system = ctypes.util.find_library("openblas")
-    if system:
-        found.append(system)
     return found
-
-
-def _load_with_runtime(path: str) -> None:
-    """Load ``path`` with RTLD_GLOBAL; if it lacks libgfortran.so.5, provide one and retry."""
-    try:
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        return
-    except OSError as err:
-        if "libgfortran.so.5" not in str(err):
-            raise
-        first = err
-    if not _provide_gfortran():
-        raise first
-    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-
-
-def _provide_gfortran() -> bool:
-    """Load a libgfortran.so.5 made from a wheel's bundled copy; False if none can be made."""
-    for lib, quadmath in _bundled_gfortran():
-        try:
-            if quadmath is not None:
-                ctypes.CDLL(str(quadmath))  # its mangled soname is what the copy needs
-            ctypes.CDLL(str(_renamed_copy(lib)), mode=ctypes.RTLD_GLOBAL)
-            return True
-        except (OSError, ValueError):
-            continue
-    return False
-
-
-def _bundled_gfortran() -> list[tuple[Path, Path | None]]:
-    """(libgfortran, its libquadmath) pairs that wheels ship under mangled names."""
-    pairs = []
-    for entry in sys.path:
-        for libs in ("mlx_cpu.libs", "numpy.libs", "scipy.libs"):
-            folder = Path(entry) / libs
-            for lib in sorted(folder.glob("libgfortran-*.so.5*")):
-                quad = sorted(folder.glob("libquadmath-*.so*"))
-                pairs.append((lib, quad[0] if quad else None))
-    return pairs
-
-
-def _renamed_copy(lib: Path) -> Path:
-    """``lib`` with DT_SONAME ``libgfortran.so.5``, written once and checked each start.
-
-    The check is a byte comparison with the patched source (~3 MB, a few ms): a damaged or
-    stale copy is rewritten, never loaded.
-    """
-    want = soname_patched(lib.read_bytes(), b"libgfortran.so.5")
-    # An unwritable data folder must not cost the fast path: then a private temp folder.
-    fallback = Path(tempfile.gettempdir()) / f"localchat-runtime-{os.getuid()}"
-    for folder in (runtime_dir(), fallback):
-        out = folder / f"libgfortran.so.5-{lib.name}"
-        try:
-            if out.read_bytes() == want:
-                return out
-        except OSError:
-            pass
-        tmp = folder / f".tmp-{os.getpid()}-{out.name}"
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp.write_bytes(want)
-            os.replace(tmp, out)
-            return out
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    raise OSError("cannot write a libgfortran.so.5 copy")
-
-
-def soname_patched(elf: bytes, soname: bytes) -> bytes:
-    """A copy of a 64-bit little-endian ELF shared library whose DT_SONAME is ``soname``.
-
-    Points DT_SONAME at an existing ``soname`` string in the dynamic string table (libgfortran
-    names its version definitions ``libgfortran.so.5``), so no string or size changes.
-    Raises ValueError when that is not possible.
-    """
-    data = bytearray(elf)
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError("not a 64-bit little-endian ELF file")
-    (phoff,) = struct.unpack_from("<Q", data, 0x20)
-    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
-    dynamic, loads = None, []
-    for i in range(phnum):
-        p_type, _, off, vaddr, _, filesz, _, _ = struct.unpack_from("<IIQQQQQQ", data,
-                                                                    phoff + i * phentsize)
-        if p_type == 2:  # PT_DYNAMIC
-            dynamic = (off, filesz)
-        elif p_type == 1:  # PT_LOAD
-            loads.append((vaddr, off, filesz))
-    if dynamic is None:
-        raise ValueError("no dynamic section")
-
-    def file_offset(vaddr: int) -> int:
-        for start, off, size in loads:
-            if start <= vaddr < start + size:
-                return vaddr - start + off
-        raise ValueError("address outside the file")
-
-    tags: dict[int, tuple[int, int]] = {}  # tag -> (value, offset of the entry)
-    for j in range(dynamic[1] // 16):
-        tag, value = struct.unpack_from("<qQ", data, dynamic[0] + j * 16)
-        if tag == 0:
-            break
-        tags.setdefault(tag, (value, dynamic[0] + j * 16))
-    if 14 not in tags or 5 not in tags or 10 not in tags:  # DT_SONAME, DT_STRTAB, DT_STRSZ
-        raise ValueError("no soname or string table")
-    strtab = file_offset(tags[5][0])
-    table = bytes(data[strtab : strtab + tags[10][0]])
-    at = table.find(b"\0" + soname + b"\0")
-    if at < 0:
-        raise ValueError(f"no {soname.decode()} string to point at")
-    struct.pack_into("<qQ", data, tags[14][1], 14, at + 1)
-    return bytes(data)
 
 
 def cpu_path() -> bool:
@@ -227,41 +136,55 @@ def _cpu_path_allowed() -> bool:
     return os.environ.get("LOCALCHAT_CPU_PATH", "").strip().lower() not in ("off", "0", "no")
 
 
-def slow_path_notice() -> str | None:
-    """One line for the user when a Linux CPU run is on the slow reference BLAS, else None."""
+def blas_notice() -> str | None:
+    """One line for the user, or None: a BLAS was refused by its test run (which, why, and which
+    one is used instead), or a Linux CPU run is on the slow reference BLAS (why, and the fix).
+    """
     status = prepare()
-    if not sys.platform.startswith("linux") or status.path or status.disabled or not cpu_path():
+    if not sys.platform.startswith("linux") or status.disabled or not cpu_path():
         return None
+    if status.path:
+        return f"{status.refused}; using {status.path}" if status.refused else None
     why = status.detail or "no libopenblas found"
     return (f"slow CPU path: no fast BLAS could be loaded ({why}); prefill and decode run "
-            "~20x slower. Fix: `apt-get install libgfortran5` (or libopenblas0), or set "
+            "~20x slower. Fix: `apt-get install libopenblas0` (or libgfortran5), or set "
             "LOCALCHAT_BLAS=/path/to/libopenblas.so")
 
 
-def matmul_gflops(n: int = 512, repeat: int = 5) -> float:
-    """Measured float32 matmul rate of the default device (best of ``repeat``), in GFLOP/s."""
-    import mlx.core as mx
-
-    a = mx.random.normal((n, n))
-    mx.eval(a, a @ a)
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        mx.eval(a @ a)
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
-
-
 def describe() -> str:
-    """The BLAS in use and its measured rate, for ``inspect`` and benchmark headers."""
+    """The BLAS in use, the kernels it runs here and its measured rate, for ``inspect``,
+    ``scripts/setup.sh`` and benchmark headers."""
     status = prepare()
     if not cpu_path():
         import mlx.core as mx
 
         return f"{mx.default_device()} (MLX's own kernels)"
-    name = status.path or ("MLX's reference BLAS (LOCALCHAT_BLAS=off)" if status.disabled
-                           else "MLX's reference BLAS")
-    return f"{name}, {matmul_gflops():.0f} GFLOP/s (512² float32 matmul)"
+    if not status.path:
+        name = "MLX's reference BLAS" + (" (LOCALCHAT_BLAS=off)" if status.disabled else "")
+        return f"{name}, {matmul_gflops():.0f} GFLOP/s (512² float32 matmul)"
+    verdict = status.verdict
+    built = f"{verdict.config}; " if verdict and verdict.config else ""
+    core = f"{verdict.core} kernels, " if verdict and verdict.core else ""
+    return (f"{status.path} ({built}{core}{threads_note()}), "
+            f"{matmul_gflops():.0f} GFLOP/s (512² float32 matmul)")
+
+
+def threads_note() -> str:
+    """How many threads the BLAS runs, and a warning when it caps them below the cores."""
+    import ctypes as c
+
+    lib = c.CDLL(None)
+    threads = lib.openblas_get_num_threads() if hasattr(lib, "openblas_get_num_threads") else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if not threads:
+        return f"{cores} cores"
+    note = f"{threads} threads on {cores} cores"
+    verdict = prepare().verdict
+    cap = verdict.config.rsplit("MAX_THREADS=", 1)[-1] if verdict and \
+        "MAX_THREADS=" in verdict.config else ""
+    if cap.isdigit() and int(cap) < (cores or 0):
+        note += f": this build stops at {cap} threads"
+    return note
 
 
 class Prefetch:
@@ -398,5 +321,5 @@ def _set_child(root, dotted: str, new) -> None:
 if __name__ == "__main__":  # `python -m localchat.cpu.backend`: what scripts/setup.sh reports
     prepare()
     print(f"localchat: matmuls: {describe()}")
-    if notice := slow_path_notice():
+    if notice := blas_notice():
         print(f"localchat: {notice}", file=sys.stderr)

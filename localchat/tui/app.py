@@ -262,7 +262,7 @@ class LocalchatApp(Actions, App):
                 session.conversation(self.current.name, kv_bits=bits, kv_group=group)
             except LocalchatError as err:
                 self.post_message(TurnNoticed(str(err)))
-        self.post_message(ModelLoaded(info, tuple(session.engine.notices)))
+        self.post_message(ModelLoaded(info, tuple(session.start_notices())))
 
     def on_model_progressed(self, msg: ModelProgressed) -> None:
         self.query_one(StatusBar).activity = msg.text
