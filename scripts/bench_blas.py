@@ -63,8 +63,10 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
 
 
 def busy(n: int) -> list[subprocess.Popen]:
-    """``n`` processes that spin a core each until killed."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    """``n`` processes that spin a core each until killed (or this script ends: each stops
+    once its parent is gone, so a killed benchmark leaves nothing spinning)."""
+    spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+    return [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
 
 
 def main() -> None:

