@@ -1,0 +1,71 @@
+"""A start imports no transformers where the tokenizer does not need it; ``inspect`` says
+which path the tokenizer took; a folder the fast path cannot take still loads (through
+transformers, as before), with the same ids."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from localchat.cli import main
+
+ROOT = Path(__file__).parent.parent
+
+
+def imported(tiny_model: Path, home: Path, *args: str) -> tuple[set[str], str]:
+    """Top-level packages ``localchat ARGS`` imports (``-X importtime``), and its stdout."""
+    env = {**os.environ, "LOCALCHAT_HOME": str(home),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "localchat", *args],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    names = {line.split("|")[-1].strip().split(".")[0] for line in out.stderr.splitlines()
+             if line.startswith("import time:") and "self [us]" not in line}
+    return names, out.stdout
+
+
+def test_ask_resumed_imports_no_transformers(tiny_model, tmp_path):
+    home = tmp_path / "home"
+    args = ("ask", "-m", str(tiny_model), "-c", "fast", "--max-tokens", "3")
+    first, _ = imported(tiny_model, home, *args, "Hello")
+    again, out = imported(tiny_model, home, *args, "And again?")
+    assert "mlx_lm" in again and "tokenizers" in again and "jinja2" in again  # it did run
+    assert "transformers" not in first | again, sorted(first | again)
+    assert "huggingface_hub" not in again
+
+
+def test_negative_control_mlx_lms_package_root_imports_transformers(tmp_path):
+    """Importing a model module the usual way runs mlx-lm's root, which imports
+    transformers: the test above could fail."""
+    code = "import sys, mlx_lm.models.llama; print('transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip() == "True"
+
+
+def test_inspect_shows_the_tokenizer_path(home, tiny_model, capsys):
+    assert main(["inspect", "-m", str(tiny_model), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tokenizer"].startswith("tokenizers + jinja2 (")
+    assert main(["inspect", "-m", str(tiny_model)]) == 0
+    assert "tokenizer            tokenizers + jinja2" in capsys.readouterr().out
+
+
+def test_a_tokenizer_class_of_its_own_loads_through_transformers(home, tiny_model, tmp_path,
+                                                                  capsys):
+    """A folder whose tokenizer class transformers builds its own way goes through
+    transformers (the ids are transformers'), and ``inspect`` says why."""
+    import shutil
+
+    folder = tmp_path / "own-class"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "Qwen2Tokenizer"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["inspect", "-m", str(folder), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["tokenizer"].startswith("transformers (tokenizer class Qwen2Tokenizer")
+    assert main(["ask", "-m", str(folder), "-c", "q", "--max-tokens", "2", "Hi"]) == 0
