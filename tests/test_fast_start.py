@@ -69,3 +69,24 @@ def test_a_tokenizer_class_of_its_own_loads_through_transformers(home, tiny_mode
     info = json.loads(capsys.readouterr().out)
     assert info["tokenizer"].startswith("transformers (tokenizer class Qwen2Tokenizer")
     assert main(["ask", "-m", str(folder), "-c", "q", "--max-tokens", "2", "Hi"]) == 0
+
+
+def test_an_edited_check_entry_is_no_check(home, tiny_model, tmp_path):
+    """``tokenizer-checks.json`` read back: an entry turned to "same" by hand is not taken
+    (the fast path only where transformers was seen to agree)."""
+    import shutil
+
+    from localchat import paths
+    from localchat.tokenizer import SLOW, load_tokenizer, plan
+
+    folder = tmp_path / "own-class"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"  # rebuilds its pre-tokenizer: not the same
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    load_tokenizer(folder)
+    memo = json.loads(paths.tokenizer_checks_path().read_text())
+    assert [v[0] for v in memo.values()] != ["same"]
+    for bad in (["same", "0" * 16], "same", ["same"], {"same": 1}):
+        paths.tokenizer_checks_path().write_text(json.dumps({k: bad for k in memo}))
+        assert plan(folder).path == SLOW

@@ -159,7 +159,8 @@ def check(folder: Path, hf) -> bool:
     if key is None:
         return False
     memo = read_memo(tokenizer_checks_path())
-    memo[key] = why or "same"
+    verdict = why or "same"
+    memo[key] = [verdict, _entry_check(key, verdict)]
     try:
         write_memo(tokenizer_checks_path(), memo)
     except OSError:
@@ -168,8 +169,17 @@ def check(folder: Path, hf) -> bool:
 
 
 def _checked(folder: Path) -> bool:
+    """Whether the memo holds a sound "same" for the folder's files (an entry that is not
+    ``[verdict, its check]`` counts as no check: transformers then, and checked again)."""
     key = _key(folder)
-    return key is not None and read_memo(tokenizer_checks_path()).get(key) == "same"
+    if key is None:
+        return False
+    entry = read_memo(tokenizer_checks_path()).get(key)
+    return entry == ["same", _entry_check(key, "same")]
+
+
+def _entry_check(key: str, verdict: str) -> str:
+    return hashlib.sha256(f"{key}\0{verdict}".encode()).hexdigest()[:16]
 
 
 def _key(folder: Path) -> str | None:
