@@ -26,18 +26,24 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import importlib
 import importlib.util
+import marshal
 import os
 import sys
 import types
 from pathlib import Path
+
+from .files import atomic_write
+from .paths import code_cache_dir
 
 # The real root's names and the submodules they come from (``mlx_lm/__init__.py``).
 _ROOT_NAMES = {"convert": "convert", "batch_generate": "generate", "generate": "generate",
                "stream_generate": "generate", "load": "utils"}
 # Top-level imports left out of the compiled copies (they import transformers or the Hub).
 _HEAVY = ("transformers", "huggingface_hub", "modelscope", "tokenizer_utils")
+FILTER = 1  # bump when ``_heavy`` changes: the cached code is compiled again
 
 
 def install_root() -> None:
@@ -112,24 +118,56 @@ def _compile(name: str, extra: dict) -> types.ModuleType:
     if root is None or not getattr(root, "__path__", None):
         raise ImportError("mlx_lm is not installed")
     path = Path(list(root.__path__)[0]) / f"{name}.py"
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    except (OSError, SyntaxError, ValueError) as err:
-        raise ImportError(f"cannot read {path}: {err}") from None
-    tree.body = [node for node in tree.body if not _heavy(node)]
+    code = _code(path, name)
     module = types.ModuleType(f"mlx_lm.{name}")
     module.__file__ = str(path)
     module.__package__ = "mlx_lm"  # its relative imports (``from .models…``) as usual
     module.__dict__.update(extra)
     try:
-        exec(compile(tree, str(path), "exec"), module.__dict__)  # noqa: S102 - mlx-lm's own code
+        exec(code, module.__dict__)  # noqa: S102 - mlx-lm's own code
     except Exception as err:  # noqa: BLE001 - whatever a changed source raises: slow path
         raise ImportError(f"cannot compile {path} without transformers: {err}") from None
     return module
 
 
+def _code(path: Path, name: str) -> types.CodeType:
+    """``path`` compiled without its heavy statements. Parsing costs ~0.1 s a start, so the
+    code is kept (as Python keeps ``.pyc`` files) in ``paths.code_cache_dir()``, keyed by the
+    source's path, size and modification time, Python's bytecode version and ``FILTER``, with
+    a SHA-256 of its bytes: anything else is compiled again."""
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise ImportError(f"cannot read {path}: {err}") from None
+    key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}|{FILTER}|"
+                         f"{importlib.util.MAGIC_NUMBER.hex()}".encode()).hexdigest()[:32]
+    cached = code_cache_dir() / f"{name}-{key}.code"
+    try:
+        blob = cached.read_bytes()
+        if hashlib.sha256(blob[32:]).digest() == blob[:32]:
+            return marshal.loads(blob[32:])
+    except (OSError, ValueError, EOFError, TypeError):
+        pass  # missing or damaged: compiled again below
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source, filename=str(path))
+    except (OSError, SyntaxError, ValueError) as err:
+        raise ImportError(f"cannot read {path}: {err}") from None
+    tree.body = [node for node in tree.body if not _heavy(node)]
+    code = compile(tree, str(path), "exec")
+    payload = marshal.dumps(code)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(cached, hashlib.sha256(payload).digest() + payload)
+    except OSError:
+        pass  # (a read-only data folder: compiled again next time)
+    return code
+
+
 def _heavy(node: ast.stmt) -> bool:
     """A top-level statement that imports transformers/the Hub, or needs what they define."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return False  # imports inside a function run only when it is called
     for sub in ast.walk(node):
         if isinstance(sub, ast.Import) and any(a.name.split(".")[0] in _HEAVY
                                                for a in sub.names):

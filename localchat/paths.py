@@ -107,3 +107,8 @@ def digests_path() -> Path:
 def tokenizer_checks_path() -> Path:
     """Which models' tokenizers transformers was seen to build as the fast path does."""
     return data_home() / "tokenizer-checks.json"
+
+
+def code_cache_dir() -> Path:
+    """mlx-lm's modules compiled without their transformers imports (``mlxlm.py``)."""
+    return data_home() / "code-cache"

@@ -90,3 +90,24 @@ def test_an_edited_check_entry_is_no_check(home, tiny_model, tmp_path):
     for bad in (["same", "0" * 16], "same", ["same"], {"same": 1}):
         paths.tokenizer_checks_path().write_text(json.dumps({k: bad for k in memo}))
         assert plan(folder).path == SLOW
+
+
+def test_a_damaged_code_cache_is_compiled_again(home):
+    """mlx-lm's compiled code is read back only when its checksum holds."""
+    import hashlib
+    import importlib.util
+
+    from localchat import mlxlm, paths
+
+    mlxlm.install_root()
+    source = Path(importlib.util.find_spec("mlx_lm").submodule_search_locations[0]) / "utils.py"
+    good = mlxlm._code(source, "utils")
+    (cached,) = paths.code_cache_dir().glob("utils-*.code")
+    for damage in (b"", b"\0" * 40, cached.read_bytes()[:-7] + b"garbage"):
+        cached.write_bytes(damage)
+        again = mlxlm._code(source, "utils")
+        assert again.co_names == good.co_names and "load_model" in again.co_names
+        blob = cached.read_bytes()
+        assert hashlib.sha256(blob[32:]).digest() == blob[:32]  # written back whole
+    # the heavy imports are not in it: compiled code runs no transformers import
+    assert not any("transformers" in str(c) for c in good.co_consts if isinstance(c, str))
