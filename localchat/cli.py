@@ -440,6 +440,7 @@ def cmd_inspect(args) -> int:
         ("all caches", f"{human_bytes(budget.disk_use(root)[0])} of "
          f"{human_bytes(budget.cache_limit(root))} (LOCALCHAT_CACHE_LIMIT)"),
         ("matmuls", blas),
+        ("tokenizer", info.tokenizer),
     ]
     if info.unknown:
         rows.append(("not kept", f"cache classes {', '.join(info.unknown)}: full prefill "

@@ -13,6 +13,7 @@ when the caller reads on after it.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +53,7 @@ class ModelInfo:
     cut_anywhere: bool  # growing layers only: the cache can be cut at any position
     unknown: tuple[str, ...]  # cache classes localchat does not know: no disk cache
     thinking_switch: bool = False  # the chat template turns a reasoning model's thinking off
+    tokenizer: str = ""  # the tokenizer's path: "tokenizers + jinja2 (…)" or "transformers (…)"
 
 
 class Engine:
@@ -68,6 +70,7 @@ class Engine:
         self._compute_dtype = None
         self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
+        self.tokenizer_plan = ""  # which path the tokenizer took and why (``tokenizer.plan``)
         from .cluster.group import Solo
 
         self.group = Solo()  # the ranks this model is split over (``cluster/``)
@@ -92,20 +95,22 @@ class Engine:
         # The CPU weights are read while mlx-lm (and transformers) import: they were made
         # from this digest, and the thread is joined before MLX is used here.
         fetched = None if split else backend.prefetch(weights_cache, digest)
-        from mlx_lm.tokenizer_utils import load as load_tokenizer
-        from mlx_lm.utils import load_model
+        # Neither imports transformers unless the tokenizer needs it (``tokenizer/``).
+        from .mlxlm import load_model
+        from .tokenizer import load_tokenizer
 
         if fetched is not None:
             fetched.join()
         try:
             # Lazy: the quantized weights that the CPU path replaces are then never read.
             model, config = load_model(ref.path, lazy=True)
-            tokenizer = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
+            tokenizer, plan = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         _quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
+        engine.tokenizer_plan = plan.describe()
         slow = backend.blas_notice()
         if split:
             from .cluster import split
@@ -194,6 +199,7 @@ class Engine:
             cut_anywhere=all(s.kind == ck.GROWING for s in specs),
             unknown=unknown,
             thinking_switch=self.thinking_switch,
+            tokenizer=self.tokenizer_plan,
         )
 
     def layout(self, quant: ck.KVQuant | None = None) -> Layout:
@@ -390,7 +396,10 @@ class Engine:
 
 def _quiet_transformers() -> None:
     """Users cannot act on transformers' warnings (e.g. "sequence length is longer than the
-    specified maximum" — we check the context ourselves), so keep them off the screen."""
+    specified maximum" — we check the context ourselves), so keep them off the screen.
+    Only where the tokenizer loaded transformers: importing it costs a second."""
+    if "transformers" not in sys.modules:
+        return
     try:
         from transformers.utils import logging
 

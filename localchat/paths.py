@@ -102,3 +102,13 @@ def runtime_dir() -> Path:
 def digests_path() -> Path:
     """Memoised sha256 of model weight files, keyed by path, size and mtime."""
     return data_home() / "digests.json"
+
+
+def tokenizer_checks_path() -> Path:
+    """Which models' tokenizers transformers was seen to build as the fast path does."""
+    return data_home() / "tokenizer-checks.json"
+
+
+def code_cache_dir() -> Path:
+    """mlx-lm's modules compiled without their transformers imports (``mlxlm.py``)."""
+    return data_home() / "code-cache"

@@ -61,6 +61,14 @@ def _cluster(r: dict) -> None:
     assert all(row["cached"] > 0 for row in r["rows"])  # turn 2 resumed on every rank
 
 
+def _coldstart(r: dict) -> None:
+    assert set(r["versions"]) == {"this tree", "HEAD"}  # side by side with the commit
+    steps = r["steps_s"]["this tree"]
+    assert {"database", "model digest", "model + tokenizer (with imports)", "turn",
+            "exit"} <= set(steps) and steps["turn"] > 0
+    assert r["transformers_imported"]["this tree"] is False
+
+
 def _decode(r: dict) -> None:
     assert r["stock"] is not None and r["fast"]["model"] == r["model"]
 
@@ -118,7 +126,8 @@ CASES = {
     "cluster": Case({"rows", "skipped"}, _cluster),
     "coldstart": Case({"history", "trials", "resumed_s", "full_prefill_s", "ratio",
                        "resumed_exit_s", "chat_first_frame_s", "chat_model_ready_s",
-                       "imports_s"}),
+                       "imports_s", "steps_s", "transformers_imported", "versions"},
+                      _coldstart),
     "decode": Case({"fast", "stock", "decode_vs_mlxlm", "prefill_speedup_vs_stock",
                     "decode_speedup_vs_stock", "attention_prefill_speedup",
                     "attention_decode_speedup"}, _decode),
