@@ -68,6 +68,7 @@ class Engine:
         self._info: ModelInfo | None = None
         self._layout = None
         self._compute_dtype = None
+        self._end_tokens = None  # ``end_tokens``, once asked
         self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
         self.tokenizer_plan = ""  # which path the tokenizer took and why (``tokenizer.plan``)
@@ -129,6 +130,7 @@ class Engine:
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
                 raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         engine.notices = ([slow] if slow else []) + tuned
+        engine.end_tokens()  # before any loop reads the tokenizer's EOS set
         attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
         if unknown := engine.info().unknown:
             engine.notices.append(
@@ -300,8 +302,27 @@ class Engine:
         return detok
 
     @property
-    def eos_ids(self) -> set[int]:
-        return set(self.tokenizer.eos_token_ids or [])
+    def eos_ids(self) -> frozenset[int]:
+        """Every token that ends a reply (``endtokens.end_tokens``)."""
+        return self.end_tokens().ends
+
+    @property
+    def hidden_ids(self) -> frozenset[int]:
+        """Control tokens never shown or stored as reply text (the ends included)."""
+        return self.end_tokens().hidden
+
+    def end_tokens(self):
+        if self._end_tokens is None:
+            from .endtokens import end_tokens
+            from .replies import thinking_markers, tool_markers
+
+            keep = tuple(m for pair in (thinking_markers(self), tool_markers(self)) if pair
+                         for m in pair if m)
+            self._end_tokens = end_tokens(self.tokenizer, self.ref.path, keep)
+            # mlx-lm's own loops (``batch_generate`` in ``parallel.py``) stop on the same set.
+            for tok in sorted(self._end_tokens.ends - set(self.tokenizer.eos_token_ids)):
+                self.tokenizer.add_eos_token(str(tok))
+        return self._end_tokens
 
     # -- compute ---------------------------------------------------------------------------
 
@@ -359,27 +380,47 @@ class Engine:
 
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
-        top_p: float = 1.0,
+        top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
     ) -> Iterator[int]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
-        Greedy when ``temp`` is 0. The step for token n+1 is queued before token n is
-        yielded (MLX async eval), so the model works while the caller prints.
+        Greedy when ``temp`` is 0 (``top_p``/``top_k``/``min_p`` then change nothing);
+        ``repetition_penalty`` (1: off) weighs the last 20 generated tokens, as mlx-lm's does.
+        Control tokens that are not ends (``hidden_ids - eos_ids``: ``<|im_start|>`` in a
+        reply) are never sampled: a reply cannot hold one, so its stored text renders back
+        to the ids that were fed. The step for token n+1 is queued before token n is yielded
+        (MLX async eval), so the model works while the caller prints.
         """
         import mlx.core as mx
-        from mlx_lm.sample_utils import make_sampler
+        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         if max_tokens <= 0:
             return
         if seed is not None:
             mx.random.seed(seed)
-        sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0)
+        sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0,
+                               min_p=min_p, top_k=top_k)
         eos = self.eos_ids
+        banned = sorted(self.hidden_ids - eos)
+        processors = make_logits_processors(
+            {t: -float("inf") for t in banned if t < logits.shape[-1]} or None,
+            repetition_penalty if repetition_penalty != 1.0 else None)
+        seen: list[int] = []
+
+        def pick(scores):
+            if processors:
+                history = mx.array(seen[-20:], dtype=mx.uint32)
+                for process in processors:
+                    scores = process(history, scores)
+            return root(sampler(scores))
+
         root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
-        y = root(sampler(logits))
+        y = pick(logits)
         mx.async_eval(y)
         for n in range(max_tokens):
             tok = int(y.item())
+            seen.append(tok)
             if tok in eos:
                 yield tok
                 return
@@ -389,7 +430,7 @@ class Engine:
                 # reply's text ends (not inside a character split over two tokens).
                 mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
                 return
-            y = root(sampler(self.model(y[:, None], cache=cache)[:, -1, :]))
+            y = pick(self.model(y[:, None], cache=cache)[:, -1, :])
             mx.async_eval(y)
             yield tok
 

@@ -137,7 +137,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         if tok in engine.eos_ids:
             break
         was_inside = thought.inside
-        detok.add_token(tok)
+        if tok not in engine.hidden_ids:  # a control token (<|im_start|>…) is fed, not text
+            detok.add_token(tok)
         reasoning, said = thought.add(detok.last_segment)
         run.reasoning_tokens += was_inside or thought.inside  # (its markers count)
         if was_inside or thought.inside:
@@ -172,7 +173,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     # the next turn keeps these ids only if the stored text renders back to them. A reply
     # cut at a stop string is stored cut (the next turn's prefix match drops the rest). The
     # reasoning is kept apart from the answer (``replies.split_reasoning``).
-    ids = [t for t in run.generated if t not in engine.eos_ids]
+    ids = [t for t in run.generated if t not in engine.hidden_ids]
     if ids and text.stop is None:
         whole = engine.decode_text(ids)
         run.reasoning, run.reply = split_reasoning(

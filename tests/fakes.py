@@ -29,7 +29,7 @@ class ScriptedEngine(Engine):
                 time.sleep(self.prefill_delay)
             yield progress
 
-    def decode(self, cache, logits, max_tokens, temp=0.0, seed=None, top_p=1.0):
+    def decode(self, cache, logits, max_tokens, temp=0.0, seed=None, top_p=1.0, **_sampling):
         import mlx.core as mx
 
         text = self.replies.pop(0) if self.replies else "ok"

@@ -39,7 +39,9 @@ class Server:
         run = [sys.executable, "-m", "localchat"]
         if self.scripted is not None:
             env["SCRIPTED_REPLIES"] = json.dumps(self.scripted)
-            env["PYTHONPATH"] = str(Path(__file__).parent)
+            # The tests' folder first, then the caller's path (a worktree's localchat).
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
             run = [sys.executable, str(Path(__file__).parent / "scripted_serve.py")]
         self.proc = subprocess.Popen(
             [*run, "serve", "-m", str(self.model), "--port", "0", "--host", self.host,

@@ -32,8 +32,11 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 def build_tiny_model(out: Path, *, layers: int = 2, hidden: int = 64, heads: int = 4,
                      kv_heads: int = 2, context: int = 1024, seed: int = 0,
-                     dtype: str = "float32", sliding_window: int | None = None) -> Path:
-    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json."""
+                     dtype: str = "float32", sliding_window: int | None = None,
+                     extra_special: tuple[str, ...] = ()) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json.
+
+    ``extra_special``: more special tokens in the vocabulary (other models' end tokens)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -43,7 +46,7 @@ def build_tiny_model(out: Path, *, layers: int = 2, hidden: int = 64, heads: int
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=SPECIAL + list(extra_special),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     tok.save(str(out / "tokenizer.json"))
