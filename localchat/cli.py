@@ -415,12 +415,18 @@ def cmd_inspect(args) -> int:
                 mine += size
                 tokens += len(man.tokens)
     layout = engine.layout()
+    sampling, ends = engine.sampling(), engine.end_tokens()
     out = {**info.__dict__, "unknown": list(info.unknown),
            "growing_layers": len(layout.growing),
            "bounded_layers": len(layout.leaves) - len(layout.growing),
            "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
            "all_caches_bytes_on_disk": budget.disk_use(root)[0],
-           "cache_limit_bytes": budget.cache_limit(root), "blas": blas}
+           "cache_limit_bytes": budget.cache_limit(root), "blas": blas,
+           # What the app and serve sample with when left unset, and where each came from.
+           "sampling_defaults": {name: {"value": getattr(sampling, name),
+                                        "source": sampling.sources[name]}
+                                 for name in sampling.sources},
+           "end_tokens": sorted(ends.ends)}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -441,6 +447,9 @@ def cmd_inspect(args) -> int:
          f"{human_bytes(budget.cache_limit(root))} (LOCALCHAT_CACHE_LIMIT)"),
         ("matmuls", blas),
         ("tokenizer", info.tokenizer),
+        ("reply ends at", ", ".join(repr(engine.decode_text([t])) for t in sorted(ends.ends))
+         + f" ({', '.join(ends.sources)})"),
+        ("sampling (app, serve)", "; ".join(sampling.describe())),
     ]
     if info.unknown:
         rows.append(("not kept", f"cache classes {', '.join(info.unknown)}: full prefill "

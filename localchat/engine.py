@@ -69,6 +69,7 @@ class Engine:
         self._layout = None
         self._compute_dtype = None
         self._end_tokens = None  # ``end_tokens``, once asked
+        self._sampling = None  # ``sampling``, once asked
         self._tokenizer_lock = threading.Lock()  # the app counts draft tokens on its UI thread
         self.notices: list[str] = []  # one-line notes for the user from loading (slow path…)
         self.tokenizer_plan = ""  # which path the tokenizer took and why (``tokenizer.plan``)
@@ -131,6 +132,7 @@ class Engine:
                 raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
         engine.notices = ([slow] if slow else []) + tuned
         engine.end_tokens()  # before any loop reads the tokenizer's EOS set
+        engine.notices.extend(engine.sampling().notices)
         attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
         if unknown := engine.info().unknown:
             engine.notices.append(
@@ -310,6 +312,14 @@ class Engine:
     def hidden_ids(self) -> frozenset[int]:
         """Control tokens never shown or stored as reply text (the ends included)."""
         return self.end_tokens().hidden
+
+    def sampling(self):
+        """The sampling defaults in force for the app and ``serve`` (``sampling.py``)."""
+        if self._sampling is None:
+            from .sampling import model_defaults
+
+            self._sampling = model_defaults(self.ref.path)
+        return self._sampling
 
     def end_tokens(self):
         if self._end_tokens is None:

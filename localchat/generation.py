@@ -32,9 +32,20 @@ class TurnOptions:
     seed: int | None = None
     no_cache: bool = False  # ignore the stored K/V (full prefill), then store a fresh cache
     top_p: float = 1.0  # nucleus sampling when temp > 0 (1: off)
+    top_k: int = 0  # only the k likeliest tokens when temp > 0 (0: off)
+    min_p: float = 0.0  # drop tokens below min_p × the likeliest's probability (0: off)
+    repetition_penalty: float = 1.0  # mlx-lm's, over the last 20 tokens (1: off)
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     tools: tuple[dict, ...] = ()  # function tools the model may call (OpenAI's shape)
     thinking: bool | None = None  # a reasoning model thinks (None: the conversation's setting)
+
+    def sampling_extras(self) -> dict:
+        """The sampling settings beyond temp/top_p that differ from off (``Engine.decode``'s
+        keywords; an engine that takes none still runs a turn that sets none)."""
+        extras = {"top_k": self.top_k, "min_p": self.min_p,
+                  "repetition_penalty": self.repetition_penalty}
+        off = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        return {k: v for k, v in extras.items() if v != off[k]}
 
 
 class Cancel:
@@ -125,7 +136,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p):
+                             options.top_p, **options.sampling_extras()):
         if run.t_first is None:
             run.t_first = now()
         run.generated.append(tok)

@@ -48,7 +48,8 @@ def main() -> None:
     args = build_parser().parse_args(["chat", "-m", model, "--hosts", "127.0.0.1,127.0.0.1",
                                       "--shard", shard])
     group = start_cluster(args, model)
-    app = LocalchatApp(conversation="app", model=model, group=group, max_tokens=12)
+    # Greedy, as the single-process ``ask`` it is compared with (the app samples by default).
+    app = LocalchatApp(conversation="app", model=model, group=group, max_tokens=12, temp=0.0)
     try:
         print(json.dumps(asyncio.run(run(app, prompts))))
     finally:

@@ -17,6 +17,7 @@ class ScriptedEngine(Engine):
         self.replies = list(replies or [])
         self.delay = delay
         self.prefill_delay = 0.0  # seconds after each prefill chunk (a slow machine)
+        self.sampled_with: list[dict] = []  # each decode's sampling settings
 
     def prefill(self, tokens, cache, chunk=PREFILL_CHUNK):
         steps = super().prefill(tokens, cache, chunk)
@@ -32,6 +33,7 @@ class ScriptedEngine(Engine):
     def decode(self, cache, logits, max_tokens, temp=0.0, seed=None, top_p=1.0, **_sampling):
         import mlx.core as mx
 
+        self.sampled_with.append({"temp": temp, "top_p": top_p, **_sampling})
         text = self.replies.pop(0) if self.replies else "ok"
         eos = next(iter(self.eos_ids))
         tokens = self.encode(text) + [eos]

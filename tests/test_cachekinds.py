@@ -79,7 +79,9 @@ def test_four_turns_from_disk_equal_full_prefills(home, store, built, family):
     for i, prompt in enumerate(PROMPTS):
         got, notes = turn(store, engine, resumed, prompt)
         ref, _ = turn(store, engine, twin, prompt, no_cache=True)
-        assert ref.usage.cached_tokens == 0 and len(ref.tokens) >= 4
+        # A reply is at least 4 tokens unless the model ended it (a random model may write
+        # an end-of-document token early: baichuan_m1's second reply is 2 tokens and its end).
+        assert ref.usage.cached_tokens == 0 and (len(ref.tokens) >= 4 or ref.finish == "stop")
         assert got.tokens == ref.tokens, f"turn {i + 1}"
         replies.append(got.tokens)
         if previous is not None:

@@ -69,7 +69,6 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
     for key, kind in IGNORED.items():
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise bad(f"{key}: wrong type ({kind_of(body[key])})", key)
-    integer(body, "top_k", low=1)  # accepted, not used: sampling is temperature and top_p
     max_tokens = None if counting else integer(body, "max_tokens", low=1)
     if max_tokens is None and not counting:
         raise bad("max_tokens is required", "max_tokens")
@@ -79,8 +78,9 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         messages.insert(0, {"role": "system", "content": system})
     return ChatRequest(
         api="anthropic", model=model, messages=messages, max_tokens=max_tokens,
-        temperature=number(body, "temperature", low=0.0, high=1.0, default=1.0),
-        top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
+        temperature=number(body, "temperature", low=0.0, high=1.0, default=None),
+        top_p=number(body, "top_p", low=0.0, high=1.0, default=None, low_open=True),
+        top_k=integer(body, "top_k", low=1),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
         stream=boolean(body, "stream"), tools=tools, thinking=thinking)
 

@@ -54,6 +54,10 @@ class Service:
         short = self.model.rstrip("/").rsplit("/", 1)[-1]
         self.names = {self.model, short, "localchat", "default"}
         self.context_length = info.context_length
+        self.sampling = worker.session.engine.sampling()
+        self.defaults = {name: {"value": getattr(self.sampling, name),
+                                "source": self.sampling.sources[name]}
+                         for name in self.sampling.sources}
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
 
     def check_model(self, name: str) -> None:
@@ -90,7 +94,10 @@ def make_app(service: Service) -> Starlette:
             return _error(err, "openai")
         return JSONResponse({"object": "list", "data": [
             {"id": service.model, "object": "model", "created": 0, "owned_by": "localchat",
-             "context_length": service.context_length}]})
+             "context_length": service.context_length,
+             # What a request that names none of them gets (``sampling.py``).
+             "max_tokens": service.sampling.max_tokens,
+             "defaults": service.defaults}]})
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": service.model,
@@ -173,12 +180,15 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
 
 def _turn(session, emit, req: ChatRequest, cancel) -> None:
     """On the model thread: place the request in a conversation and answer it."""
-    room = session.engine.info().context_length
     if req.tools and tool_markers(session.engine) is None:
         raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
                   "request without tools", "tools")
-    options = TurnOptions(max_tokens=req.max_tokens or room, temp=req.temperature,
-                          seed=req.seed, top_p=req.top_p, stop=req.stop, tools=req.tools,
+    # What the request leaves out: the model's generation_config.json, then localchat's
+    # defaults; a request without max_tokens still gets the reply cap /v1/models states.
+    fields = session.engine.sampling().turn_fields(
+        max_tokens=req.max_tokens, temp=req.temperature, top_p=req.top_p, top_k=req.top_k,
+        min_p=req.min_p, repetition_penalty=req.repetition_penalty)
+    options = TurnOptions(**fields, seed=req.seed, stop=req.stop, tools=req.tools,
                           thinking=req.thinking)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:

@@ -45,9 +45,13 @@ class ChatRequest:
     api: str  # "openai" or "anthropic"
     model: str
     messages: list[dict]
-    max_tokens: int | None  # None: as many as the context holds
-    temperature: float
-    top_p: float = 1.0
+    max_tokens: int | None  # None: the model's reply cap (``sampling.py``)
+    # None: what the model's generation_config.json says, else localchat's default.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -89,8 +93,8 @@ def integer(body: dict, key: str, *, low: int, high: int | None = None,
     return value
 
 
-def number(body: dict, key: str, *, low: float, high: float, default: float,
-           low_open: bool = False) -> float:
+def number(body: dict, key: str, *, low: float, high: float, default: float | None,
+           low_open: bool = False) -> float | None:
     value = body.get(key)
     if value is None:
         return default

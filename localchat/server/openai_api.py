@@ -42,7 +42,7 @@ KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperatur
          "seed", "stop", "stream", "stream_options", "n", "user", "metadata", "store",
          "frequency_penalty", "presence_penalty", "logprobs", "tools", "tool_choice",
          "parallel_tool_calls", "response_format", "service_tier", "reasoning_effort",
-         "chat_template_kwargs"}
+         "chat_template_kwargs", "top_k", "min_p", "repetition_penalty"}
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 EFFORTS = {"none": False, "minimal": True, "low": True, "medium": True, "high": True,
            "xhigh": True}
@@ -89,8 +89,13 @@ def parse(body: object) -> ChatRequest:
     return ChatRequest(
         api="openai", model=model, messages=_messages(body.get("messages")),
         max_tokens=max_tokens,
-        temperature=number(body, "temperature", low=0.0, high=2.0, default=1.0),
-        top_p=number(body, "top_p", low=0.0, high=1.0, default=1.0, low_open=True),
+        temperature=number(body, "temperature", low=0.0, high=2.0, default=None),
+        top_p=number(body, "top_p", low=0.0, high=1.0, default=None, low_open=True),
+        # vLLM's and llama.cpp's extensions of the API, with the same names.
+        top_k=integer(body, "top_k", low=0), min_p=number(body, "min_p", low=0.0, high=1.0,
+                                                          default=None),
+        repetition_penalty=number(body, "repetition_penalty", low=0.0, high=10.0,
+                                  default=None, low_open=True),
         seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
         stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage,
         tools=() if choice == "none" else tools, thinking=_thinking(body))

@@ -82,7 +82,8 @@ class LocalchatApp(Actions, App):
     ]
 
     def __init__(self, conversation: str | None = None, model: str | None = None,
-                 load_engine: EngineLoader | None = None, max_tokens: int = 1024,
+                 load_engine: EngineLoader | None = None, max_tokens: int | None = None,
+                 temp: float | None = None,
                  kv_bits: int | None = None, kv_group: int | None = None,
                  draft_prefill: bool | None = None, group=None):
         super().__init__()
@@ -92,7 +93,8 @@ class LocalchatApp(Actions, App):
         self.want_conversation = conversation
         self.want_model = model
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
-        self.max_tokens = max_tokens
+        # None: the model's sampling defaults (``sampling.py``), its reply cap included.
+        self.max_tokens, self.temp = max_tokens, temp
         self.store: Store | None = None
         self.session: Session | None = None  # used only on the worker thread
         self.current: Conversation | None = None
@@ -333,7 +335,8 @@ class LocalchatApp(Actions, App):
     def _run_turn(self, conv: Conversation, prompt: str | None, kind: str,
                   cancel: Cancel) -> None:
         session = self.session
-        options = TurnOptions(max_tokens=self.max_tokens)
+        options = TurnOptions(**session.engine.sampling().turn_fields(
+            max_tokens=self.max_tokens, temp=self.temp))
         try:
             if kind == "regenerate":
                 events = session.regenerate(conv, options, cancel)

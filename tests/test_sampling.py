@@ -1,0 +1,126 @@
+"""What a request leaves out comes from the model: ``generation_config.json``, then localchat's
+defaults — for the app and ``serve``; ``ask`` stays greedy; every reply has a cap."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from localchat.engine import Engine
+from localchat.sampling import LOCALCHAT, MODEL, OURS, REPLY_CAP, model_defaults
+
+ADVICE = {"temperature": 1.5, "top_p": 0.8, "top_k": 50, "min_p": 0.05,
+          "repetition_penalty": 1.1, "max_new_tokens": 6, "eos_token_id": 2}
+
+
+def with_config(src: Path, dst: Path, config) -> Path:
+    shutil.copytree(src, dst)
+    (dst / "generation_config.json").write_text(
+        config if isinstance(config, str) else json.dumps(config))
+    return dst
+
+
+def test_no_file_means_localchats_defaults(tiny_model):
+    got = model_defaults(tiny_model)
+    assert (got.temperature, got.top_p, got.max_tokens) == (
+        LOCALCHAT["temperature"], LOCALCHAT["top_p"], REPLY_CAP)
+    assert set(got.sources.values()) == {OURS} and got.notices == ()
+
+
+def test_each_field_the_file_names_wins_and_the_rest_is_ours(tiny_model, tmp_path):
+    for field, key in (("temperature", "temperature"), ("top_p", "top_p"),
+                       ("top_k", "top_k"), ("min_p", "min_p"),
+                       ("repetition_penalty", "repetition_penalty"),
+                       ("max_tokens", "max_new_tokens")):
+        folder = with_config(tiny_model, tmp_path / field, {key: ADVICE[key]})
+        got = model_defaults(folder)
+        assert getattr(got, field) == ADVICE[key]
+        assert got.sources[field] == MODEL
+        others = {k: v for k, v in got.sources.items() if k != field}
+        assert set(others.values()) == {OURS}, field
+    whole = model_defaults(with_config(tiny_model, tmp_path / "all", ADVICE))
+    assert whole.describe()[0] == f"temperature 1.5 ({MODEL})"
+
+
+def test_do_sample_false_means_greedy(tiny_model, tmp_path):
+    got = model_defaults(with_config(tiny_model, tmp_path / "m",
+                                     {"do_sample": False, "temperature": 0.6}))
+    assert got.temperature == 0.0 and "do_sample" in got.sources["temperature"]
+
+
+@pytest.mark.parametrize("bad", [
+    {"temperature": "hot"}, {"temperature": -1}, {"top_p": 0}, {"top_p": 1.5},
+    {"top_k": 2.5}, {"top_k": True}, {"min_p": 2}, {"repetition_penalty": 0},
+    {"max_new_tokens": 0}, {"temperature": [1]}])
+def test_bad_values_fall_back_with_a_notice(tiny_model, tmp_path, bad):
+    (key, value), = bad.items()
+    got = model_defaults(with_config(tiny_model, tmp_path / "m", {**bad, "top_k": 7}
+                                     if key != "top_k" else bad))
+    assert set(got.sources.values()) <= {OURS, MODEL}
+    field = "max_tokens" if key == "max_new_tokens" else key
+    assert got.sources[field] == OURS and getattr(got, field) == LOCALCHAT[field]
+    assert len(got.notices) == 1 and key in got.notices[0]
+    assert "\n" not in got.notices[0]
+    if key != "top_k":  # the file's good values still stand
+        assert got.top_k == 7 and got.sources["top_k"] == MODEL
+
+
+@pytest.mark.parametrize("text", ["{not json"])
+def test_a_broken_file_is_one_notice_at_load(tiny_model, tmp_path, text):
+    engine = Engine.load(str(with_config(tiny_model, tmp_path / "m", text)))
+    assert any(n.startswith(MODEL) for n in engine.notices)
+    assert engine.sampling().temperature == LOCALCHAT["temperature"]
+
+
+def test_turn_fields_take_what_is_set(tiny_model, tmp_path):
+    d = model_defaults(with_config(tiny_model, tmp_path / "m", ADVICE))
+    assert d.turn_fields() == {"max_tokens": 6, "temp": 1.5, "top_p": 0.8, "top_k": 50,
+                               "min_p": 0.05, "repetition_penalty": 1.1}
+    assert d.turn_fields(temp=0.0, max_tokens=9)["temp"] == 0.0
+    assert d.turn_fields(temp=0.0, max_tokens=9)["max_tokens"] == 9
+
+
+async def test_the_app_samples_with_the_models_defaults(make_app):
+    from test_tui import settle, type_and_send
+
+    app, scripted = make_app(["Paris."])
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Capital of France?")
+        await settle(app, pilot)
+    assert scripted.sampled_with == [{"temp": LOCALCHAT["temperature"],
+                                      "top_p": LOCALCHAT["top_p"]}]
+    app, scripted = make_app(["Paris."], temp=0.0)  # negative control: the user's setting
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Capital of France?")
+        await settle(app, pilot)
+    assert scripted.sampled_with[0]["temp"] == 0.0
+
+
+def test_serve_fills_what_a_request_omits_from_the_model(server, kinds, tmp_path):
+    folder = with_config(kinds["llama"], tmp_path / "advised", ADVICE)
+    s = server("llama", model=folder)
+    with urllib.request.urlopen(f"{s.url}/v1/models", timeout=30) as r:
+        card = json.loads(r.read())["data"][0]
+    assert card["max_tokens"] == 6
+    assert card["defaults"]["temperature"] == {"value": 1.5, "source": MODEL}
+    client = s.openai()
+    ask = [{"role": "user", "content": "Tell me about Seoul."}]
+    left_out = client.chat.completions.create(model="localchat", messages=ask, seed=3)
+    assert left_out.usage.completion_tokens <= 6
+    said = client.chat.completions.create(
+        model="localchat", messages=ask, seed=3, temperature=1.5, top_p=0.8, max_tokens=6,
+        extra_body={"top_k": 50, "min_p": 0.05, "repetition_penalty": 1.1})
+    assert said.choices[0].message.content == left_out.choices[0].message.content
+    greedy = client.chat.completions.create(model="localchat", messages=ask, temperature=0,
+                                            max_tokens=6)
+    assert greedy.choices[0].message.content != left_out.choices[0].message.content
+    claude = s.anthropic()
+    msg = claude.messages.create(model="localchat", messages=ask, max_tokens=64,
+                                 extra_body={"top_k": 1})
+    assert msg.usage.output_tokens <= 64
