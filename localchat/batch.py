@@ -46,6 +46,7 @@ class BatchOptions:
     kv_bits: int | None = None  # KV setting for the conversations of `conversation` lines
     kv_group: int | None = None
     thinking: bool | None = None  # a reasoning model thinks (--thinking; None: as its template)
+    context_overflow: str | None = None  # for `conversation` lines (None: the conversation's)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -119,10 +120,12 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
             if conv.model != session.model_name:
                 raise BadInput(f"conversation {conv.name!r} uses model {conv.model}; "
                                f"run the batch with -m {conv.model}")
-            if options.kv_bits is not None or options.thinking is not None:
+            if (options.kv_bits is not None or options.thinking is not None
+                    or options.context_overflow is not None):
                 conv = session.conversation(conv.name, kv_bits=options.kv_bits,
                                             kv_group=options.kv_group,
-                                            thinking=options.thinking)
+                                            thinking=options.thinking,
+                                            context_overflow=options.context_overflow)
             events = session.turn(conv, job.prompt, turn)
         else:
             _check_template(session.engine, job.messages)

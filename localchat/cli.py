@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from . import crashlog, paths
+from .window import POLICIES
 from .cli_data import (
     cmd_cache,
     cmd_export,
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--conversation", metavar="NAME")
     c.add_argument("-m", "--model", metavar="MODEL")
     add_kv_flags(c)
+    add_overflow_flag(c)
     add_cluster_flags(c)
 
     a = add("ask", cmd_ask)
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     add_thinking_flag(a)
+    add_overflow_flag(a)
     a.add_argument("--show-thinking", action="store_true",
                    help="print a reasoning model's thinking before its answer")
     add_kv_flags(a)
@@ -126,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip ids already present in OUT.jsonl")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     add_kv_flags(b, "for the conversations of `conversation` lines")
+    add_overflow_flag(b)
     b.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
@@ -174,10 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
                     "LOCALCHAT_API_KEY, which keeps it off the command line)")
     sv.add_argument("--queue", type=int, default=16, metavar="N",
                     help="requests that may wait while one runs (more get 429)")
+    sv.add_argument("--context-overflow", choices=POLICIES, default="stop",
+                    help="a request longer than the context: stop (default: 400 "
+                    "context_length_exceeded, as the APIs do) or truncate (the oldest turns "
+                    "are left out)")
     return p
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def add_overflow_flag(p) -> None:
+    p.add_argument("--context-overflow", choices=POLICIES, default=None,
+                   help="when the conversation fills the context: truncate (the default: the "
+                   "oldest turns leave the model's window, all stay stored) or stop; "
+                   "remembered by the conversation")
 
 
 def read_prompt(arg: str | None) -> str:
@@ -245,7 +260,8 @@ def cmd_ask(args) -> int:
     session = session_for(args.model or (known.model if known else None), args)
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
                                 kv_group=args.kv_group_size,
-                                thinking=thinking_setting(session, args))
+                                thinking=thinking_setting(session, args),
+                                context_overflow=args.context_overflow)
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
@@ -328,7 +344,8 @@ def cmd_chat(args) -> int:
         group = start_cluster(args, model)
     return run_app(conversation=getattr(args, "conversation", None),
                    model=model, kv_bits=getattr(args, "kv_bits", None),
-                   kv_group=getattr(args, "kv_group_size", None), group=group)
+                   kv_group=getattr(args, "kv_group_size", None), group=group,
+                   context_overflow=getattr(args, "context_overflow", None))
 
 
 def cmd_batch(args) -> int:
@@ -339,7 +356,8 @@ def cmd_batch(args) -> int:
     from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
-                           kv_bits=args.kv_bits, kv_group=args.kv_group_size)
+                           kv_bits=args.kv_bits, kv_group=args.kv_group_size,
+                           context_overflow=args.context_overflow)
     if options.parallel < 1:
         raise BadInput("--parallel must be at least 1")
     lines = read_lines(args.file)

@@ -98,6 +98,8 @@ class Conversations:
                 new = self.store.update(new, kv_bits=conv.kv_bits, kv_group=conv.kv_group)
             if conv.thinking is not None:
                 new = self.store.update(new, thinking=conv.thinking)
+            if conv.context_overflow is not None:
+                new = self.store.update(new, context_overflow=conv.context_overflow)
             for m in messages[:at]:
                 self.store.add_message(new, m.role, m.content, m.partial, m.extra)
             written = 0

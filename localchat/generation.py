@@ -38,6 +38,7 @@ class TurnOptions:
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     tools: tuple[dict, ...] = ()  # function tools the model may call (OpenAI's shape)
     thinking: bool | None = None  # a reasoning model thinks (None: the conversation's setting)
+    context_overflow: str | None = None  # stop/truncate (None: the conversation's; ``window``)
 
     def sampling_extras(self) -> dict:
         """The sampling settings beyond temp/top_p that differ from off (``Engine.decode``'s

@@ -114,6 +114,12 @@ MIGRATIONS = [
     """
     ALTER TABLE conversations ADD COLUMN thinking INTEGER;
     """,
+    # What a conversation that fills the context does (``window.py``; NULL: truncate), and
+    # how many of its first messages (the system prompt not counted) the window leaves out.
+    """
+    ALTER TABLE conversations ADD COLUMN context_overflow TEXT;
+    ALTER TABLE conversations ADD COLUMN window_from INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 

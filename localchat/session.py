@@ -34,7 +34,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from . import crashlog, paths
+from . import crashlog, paths, window
 from .cluster.group import ClusterLost
 from .conversations import Conversations
 from .drafts import Drafts, NoDrafts
@@ -150,7 +150,8 @@ class Session:
 
     def conversation(self, name: str | None, *, system: str | None = None,
                      kv_bits: int | None = None, kv_group: int | None = None,
-                     thinking: bool | None = None) -> Conversation:
+                     thinking: bool | None = None, context_overflow: str | None = None
+                     ) -> Conversation:
         """The conversation ``name`` (created if new; a fresh name if None), set to this
         session's model and, when given, to ``system`` and to a KV cache setting.
 
@@ -160,6 +161,7 @@ class Session:
                 the model's head dim). Checked against the model and the quality gate.
             thinking: whether a reasoning model thinks first (the template's switch; None
                 keeps the conversation's setting).
+            context_overflow: what a full context does (``window.POLICIES``; None keeps it).
         Raises:
             BadInput: a setting this model cannot take, or one that fails the gate.
         """
@@ -170,6 +172,8 @@ class Session:
                         "kv_group": quant.group if quant else None}
         if thinking is not None:
             settings["thinking"] = thinking
+        if context_overflow is not None:
+            settings["context_overflow"] = window.policy_of(context_overflow)
         return self.conversations.find_or_create(name, self.model_name, system, **settings)
 
     def delete(self, conv: Conversation) -> None:
@@ -278,8 +282,17 @@ class Session:
             raise BadInput("nothing to answer: the conversation does not end with a user message")
         prior = self.cache.prior(conv, options.no_cache)
         thinking = options.thinking if options.thinking is not None else conv.thinking
-        tokens, max_tokens = self.render_checked(history, options.max_tokens, prior.tokens,
-                                                 list(options.tools) or None, thinking)
+        tools = list(options.tools) or None
+        fitted = window.fit(
+            lambda msgs: self.engine.render(msgs, prior.tokens, tools=tools, thinking=thinking),
+            self.engine.info().context_length, history, conv.window_from,
+            window.policy_of(options.context_overflow or conv.context_overflow),
+            options.max_tokens, self.engine.info().name)
+        tokens, max_tokens = fitted.tokens, fitted.max_tokens
+        if fitted.window_from != conv.window_from:
+            conv = self.store.update(conv, window_from=fitted.window_from)
+        if fitted.moved:
+            yield Notice(f"{fitted.notice()} of the model's window (all stay stored)")
         for m in new:
             self.store.add_message(conv, m["role"], m["content"],
                                    extra={k: v for k, v in m.items()
@@ -302,6 +315,8 @@ class Session:
             yield Notice(start.changed)
         parts = [note] if note else [
             edit_reason or start.changed if start.changed else "", start.fallback]
+        if fitted.moved:  # what the cut left out, not the re-render it caused
+            parts = [fitted.notice(), start.fallback]
         reason = "; ".join(p for p in parts if p)
 
         run = Run()

@@ -44,6 +44,8 @@ class Conversation:
     kv_bits: int | None = None  # 8 or 4: the stored cache is quantized (see cachekinds)
     kv_group: int | None = None
     thinking: bool | None = None  # a reasoning model thinks (None: as its template says)
+    context_overflow: str | None = None  # stop, truncate, summarize (None: truncate)
+    window_from: int = 0  # stored messages (system aside) before the rendered window
 
     def __post_init__(self) -> None:
         if self.thinking is not None:  # (SQLite keeps it as 0 or 1)
@@ -84,7 +86,8 @@ class TurnRecord:
         return self.prompt_tokens - self.cached_tokens
 
 
-CONVERSATION = "id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking"
+CONVERSATION = ("id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking,"
+                " context_overflow, window_from")
 
 
 class Store:
@@ -253,7 +256,8 @@ class Store:
 
     def update(self, conv: Conversation, **fields) -> Conversation:
         """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""
-        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking"}
+        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking",
+                   "context_overflow", "window_from"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:
@@ -325,9 +329,11 @@ class Store:
         with self._tx():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
             self.db.execute(
-                f"INSERT INTO conversations ({CONVERSATION}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO conversations ({CONVERSATION}) VALUES "
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
-                 conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking))
+                 conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking,
+                 conv.context_overflow, conv.window_from))
             self.db.executemany(
                 "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
                 " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -46,9 +46,13 @@ class Service:
     """What the routes share: the worker (and its session), the names the model answers
     to, the key, and where the log lines go."""
 
-    def __init__(self, worker: Worker, api_key: str | None = None, log=None):
+    def __init__(self, worker: Worker, api_key: str | None = None, log=None,
+                 context_overflow: str = "stop"):
         self.worker = worker
         self.api_key = api_key
+        # A request longer than the context: "stop" answers 400 context_length_exceeded (the
+        # APIs' own semantics); "truncate" leaves its oldest turns out (``window.py``).
+        self.context_overflow = context_overflow
         info = worker.session.engine.info()
         self.model = info.name
         short = self.model.rstrip("/").rsplit("/", 1)[-1]
@@ -148,7 +152,8 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         service.log(f"localchat serve: {api} {err.status} {err.message}")
         return _error(err, api)
     loop = asyncio.get_running_loop()
-    job, events = Job.for_loop(lambda session, emit: _turn(session, emit, req, job.cancel),
+    job, events = Job.for_loop(lambda session, emit: _turn(
+        session, emit, req, job.cancel, service.context_overflow),
                                loop)
     try:
         service.worker.submit(job)
@@ -178,7 +183,7 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         _finish(finished), finished.stop_sequence, finished.tool_calls, finished.reasoning))
 
 
-def _turn(session, emit, req: ChatRequest, cancel) -> None:
+def _turn(session, emit, req: ChatRequest, cancel, overflow: str = "stop") -> None:
     """On the model thread: place the request in a conversation and answer it."""
     if req.tools and tool_markers(session.engine) is None:
         raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
@@ -189,6 +194,7 @@ def _turn(session, emit, req: ChatRequest, cancel) -> None:
         max_tokens=req.max_tokens, temp=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     options = TurnOptions(**fields, seed=req.seed, stop=req.stop, tools=req.tools,
+                          context_overflow=overflow,
                           thinking=req.thinking)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:

@@ -36,7 +36,7 @@ def key_for(host: str, api_key: str | None) -> str | None:
 
 
 def serve(session, host: str, port: int, api_key: str | None, queue: int,
-          ready=None) -> int:
+          ready=None, context_overflow: str = "stop") -> int:
     """Serve ``session`` until Ctrl-C (or SIGTERM). ``ready(port)``: told once it listens."""
     import asyncio
 
@@ -51,7 +51,7 @@ def serve(session, host: str, port: int, api_key: str | None, queue: int,
         sock = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
     except OSError as err:
         raise BadInput(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    service = Service(Worker(session, queue), api_key)
+    service = Service(Worker(session, queue), api_key, context_overflow=context_overflow)
     config = uvicorn.Config(make_app(service), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -88,6 +88,7 @@ def cmd_serve(args) -> int:
     for text in session.start_notices():
         say(text)
     try:
-        return serve(session, args.host, args.port, args.api_key, args.queue)
+        return serve(session, args.host, args.port, args.api_key, args.queue,
+                     context_overflow=args.context_overflow)
     finally:
         session.close()

@@ -83,13 +83,14 @@ class LocalchatApp(Actions, App):
 
     def __init__(self, conversation: str | None = None, model: str | None = None,
                  load_engine: EngineLoader | None = None, max_tokens: int | None = None,
-                 temp: float | None = None,
+                 temp: float | None = None, context_overflow: str | None = None,
                  kv_bits: int | None = None, kv_group: int | None = None,
                  draft_prefill: bool | None = None, group=None):
         super().__init__()
         self.group = group  # a cluster.Ring: the model is split over ranks (``--hosts``)
         self.lost: str | None = None  # why the cluster ended the app
         self.want_kv = (kv_bits, kv_group)  # applied to the opened conversation once loaded
+        self.want_overflow = context_overflow  # (as the KV setting)
         self.want_conversation = conversation
         self.want_model = model
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
@@ -264,6 +265,9 @@ class LocalchatApp(Actions, App):
                 session.conversation(self.current.name, kv_bits=bits, kv_group=group)
             except LocalchatError as err:
                 self.post_message(TurnNoticed(str(err)))
+        if self.want_overflow is not None and self.current is not None:
+            session.conversation(self.current.name, context_overflow=self.want_overflow)
+            self.want_overflow = None
         self.post_message(ModelLoaded(info, tuple(session.start_notices())))
 
     def on_model_progressed(self, msg: ModelProgressed) -> None:

@@ -1,0 +1,120 @@
+"""The context as a window over the stored conversation: what a turn renders when it is full.
+
+What it is: ``fit`` — the token ids a turn prefills and its reply budget, for a conversation
+whose window leaves out its first ``window_from`` messages (the system prompt aside). When the
+window plus a reply budget no longer fits the model's context, the policy decides:
+
+- ``truncate`` (the default): the window moves past the oldest whole turns — it starts at a
+  user message, so a reply and its tool calls and results leave together — in one large step:
+  to the first turn from which the rendered window is at most half the context. The turns
+  after the cut render the same window plus new messages, so they append to the cache; the
+  next cut comes only when the window fills the context again.
+- ``stop``: refuse (``ContextFull``), with the hint to fork or switch the policy.
+
+The system prompt always stays. Stored messages never change; only what is rendered does, and
+the cache after a cut is an exact cache of the new window (the turn prefills it; the prefix
+match keeps what still matches, the system prompt). What it is not: the conversation's rows
+(``store.py``) or the cache (``turncache.py``). ``summarize`` is not built yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import BadInput, ContextFull
+
+POLICIES = ("truncate", "stop")
+DEFAULT = "truncate"
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """What a turn renders: its tokens, its reply budget and the window it used."""
+
+    tokens: list[int]
+    max_tokens: int
+    window_from: int  # stored messages (system aside) left out of the window
+    moved: bool  # this turn moved the window (a cut: the cache is rebuilt from the cut)
+
+    def notice(self) -> str:
+        """The miss reason of a turn that moved the window."""
+        n = self.window_from
+        return f"context full: {n} earlier message{'s' if n != 1 else ''} left out"
+
+
+def policy_of(name: str | None) -> str:
+    """A policy name checked (None: the default). Raises BadInput naming the choices."""
+    if name is None:
+        return DEFAULT
+    if name not in POLICIES:
+        raise BadInput(f"--context-overflow must be one of {', '.join(POLICIES)}, not {name!r}")
+    return name
+
+
+def reply_budget(max_tokens: int, context: int) -> int:
+    """Room a window keeps for the reply: the reply cap, at most a quarter of the context
+    (a long cap must not leave a window of a few messages; the reply may still run on into
+    whatever room the window leaves)."""
+    return max(1, min(max_tokens, context // 4))
+
+
+def fit(render, context: int, history: list[dict], window_from: int, policy: str,
+        max_tokens: int, name: str) -> Fitted:
+    """The window of ``history`` a turn renders.
+
+    Args:
+        render: ``messages -> token ids`` (the engine's render with the turn's options).
+        context: the model's context length. name: the model's name, for messages.
+        history: the whole stored conversation plus the new messages, system prompt first.
+        window_from: the conversation's current window start (messages, system aside).
+        policy: ``truncate`` or ``stop``.
+    Raises:
+        ContextFull: ``stop`` and the window does not fit, or the last turn alone does not.
+    """
+    head = history[:1] if history and history[0]["role"] == "system" else []
+    body = history[len(head):]
+    users = [i for i, m in enumerate(body) if m["role"] == "user"]
+    # An edit or regenerate may have removed messages after the window's start.
+    start = min(window_from, users[-1]) if users else 0
+    if start and start not in users:
+        start = next((u for u in users if u >= start), users[-1])
+    tokens = render(head + body[start:])
+    budget = reply_budget(max_tokens, context)
+    if len(tokens) + (budget if policy == "truncate" else 1) <= context:
+        return Fitted(tokens, min(max_tokens, context - len(tokens)), start, False)
+    if policy != "truncate":
+        raise ContextFull(
+            f"the conversation is {len(tokens)} tokens; {name} holds {context}: fork it, "
+            "shorten the message, or switch --context-overflow to truncate")
+    # Later starts render shorter windows: the first that is at most half the context (a
+    # large step), else the first that fits at all.
+    later = [u for u in users if u > start]
+    sizes: dict[int, int] = {}
+
+    def size(u: int) -> int:
+        if u not in sizes:
+            sizes[u] = len(render(head + body[u:]))
+        return sizes[u]
+
+    for limit in (context // 2, context - budget):
+        found = _first(later, lambda u: size(u) <= limit)
+        if found is not None:
+            tokens = render(head + body[found:])
+            return Fitted(tokens, min(max_tokens, context - len(tokens)), found, True)
+    last = size(users[-1]) if users else len(tokens)
+    raise ContextFull(
+        f"the last message alone is {last} tokens with its reply budget of {budget}; {name} "
+        f"holds {context}: shorten the message")
+
+
+def _first(items: list[int], ok) -> int | None:
+    """The first of ``items`` for which ``ok`` holds, given that it holds for every item after
+    one that does (binary search: each test renders a window)."""
+    lo, hi = 0, len(items)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(items[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return items[lo] if lo < len(items) else None
