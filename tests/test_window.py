@@ -199,3 +199,36 @@ def test_serve_truncates_when_told_and_refuses_by_default(server, kinds, tmp_pat
             assert outcome is None
             assert last.usage.prompt_tokens <= CONTEXT
         assert s.stop() == 0
+
+
+async def test_the_app_marks_the_window_and_switches_the_policy(make_app):
+    from test_tui import replies, settle
+    from textual import events
+
+    from localchat.tui.chatview import WindowMarker
+    from localchat.tui.composer import Composer
+
+    app, _ = make_app(["Seoul.", "Busan.", "Gyeongju."])
+    long = "Tell me about the palaces of Seoul and the gates of its old walls. " * 18
+    async with app.run_test(size=(120, 40)) as pilot:
+        await settle(app, pilot)
+        for i in range(3):  # the tiny model holds 1024 tokens: the third turn moves the window
+            app.post_message(events.Paste(f"{i} {long}"))
+            await pilot.pause()
+            await pilot.press("enter")
+            await settle(app, pilot)
+        assert replies(app) == ["Seoul.", "Busan.", "Gyeongju."]
+        left_out = app.store.get(app.current.name).window_from
+        assert left_out == 4
+        markers = app.query(WindowMarker)
+        assert len(markers) == 1 and "4 earlier messages left out" in str(markers[0].render())
+        assert any("context full: 4 earlier messages" in n.message for n in app._notifications)
+        assert len(app.store.messages(app.current)) == 6  # every message stays stored
+        # The palette switches this conversation's policy.
+        assert app.query_one(Composer).text == ""
+        await pilot.press("ctrl+p")
+        await pilot.press(*"Context full")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await settle(app, pilot)
+        assert app.store.get(app.current.name).context_overflow == "stop"

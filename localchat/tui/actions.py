@@ -1,6 +1,6 @@
 """The app's commands (key bindings and the command palette): stop, new, regenerate, edit,
-rename, delete, branch, system prompt, model, thinking on/off, help. A mixin of
-``LocalchatApp``; each acts on the app's current conversation and its session.
+rename, delete, branch, system prompt, model, thinking on/off, what a full context does,
+help. A mixin of ``LocalchatApp``; each acts on the app's current conversation and its session.
 
 The session belongs to the MLX thread: a delete or a branch goes through it (after a draft's
 chunk, never beside a turn); before a model is loaded there is no session, and the
@@ -20,6 +20,7 @@ from ..errors import LocalchatError
 from ..fmt import visible
 from ..models import DEFAULT_MODEL, list_local
 from ..store import Conversation
+from ..window import DEFAULT as DEFAULT_POLICY
 from .cachescreen import CacheScreen
 from .composer import Composer
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
@@ -186,6 +187,17 @@ class Actions:
                         else "thinking off for this conversation")
         self.drafts.schedule()  # the next prompt renders differently
 
+    def action_toggle_overflow(self) -> None:
+        """What this conversation does when it fills the context (``window.py``)."""
+        if self.dialog_open or self.current is None:
+            return
+        policy = "stop" if (self.current.context_overflow or DEFAULT_POLICY) == "truncate" \
+            else "truncate"
+        self.current = self.store.update(self.current, context_overflow=policy)
+        self.notify("when the context is full, the oldest turns leave the model's window"
+                    if policy == "truncate" else
+                    "when the context is full, a message is refused (branch or switch back)")
+
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
 
@@ -233,6 +245,12 @@ class Actions:
                             else "turn off"),
             "Whether a reasoning model thinks before it answers, in this conversation",
             self.action_toggle_thinking)
+        policy = (self.current.context_overflow if self.current else None) or DEFAULT_POLICY
+        yield SystemCommand(
+            "Context full: " + ("stop instead" if policy == "truncate" else "truncate instead"),
+            f"Now {policy}: what this conversation does when it fills the model's context "
+            "(truncate: the oldest turns leave the window, all stay stored)",
+            self.action_toggle_overflow)
         yield SystemCommand("Cache view", "What this conversation's cache holds and what "
                             "each turn saved", self.action_cache)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)

@@ -198,13 +198,14 @@ class LocalchatApp(Actions, App):
             self.notify(f"conversation {self.current.name!r} was renamed to {fresh.name!r}")
         self.current = fresh
         if not self.busy:  # (a streaming reply is not redrawn under the user)
-            self.query_one(ChatView).show(self.store.messages(fresh), keep=True)
+            self.query_one(ChatView).show(self.store.messages(fresh), keep=True,
+                                          window_from=fresh.window_from)
         return True
 
     def open_conversation(self, conv: Conversation) -> None:
         self.current = conv
         self.editing = False
-        self.query_one(ChatView).show(self.store.messages(conv))
+        self.query_one(ChatView).show(self.store.messages(conv), window_from=conv.window_from)
         self.refresh_sidebar()
         status = self.query_one(StatusBar)
         status.last_turn = f"{conv.tokens} tokens cached on disk" if conv.tokens else ""
@@ -412,7 +413,7 @@ class LocalchatApp(Actions, App):
         # Show what is stored, and give an unsent message back to the composer.
         self.sync_current()
         stored = self.store.messages(self.current)
-        self.query_one(ChatView).show(stored)
+        self.query_one(ChatView).show(stored, window_from=self.current.window_from)
         if msg.prompt and not (stored and stored[-1].role == "user"
                                and stored[-1].content == msg.prompt):
             self.query_one(Composer).text = msg.prompt

@@ -71,20 +71,34 @@ def _title(seconds: float | None, tokens: int | None) -> str:
     return f"Thought for {seconds:.0f} s · {tokens} tokens"
 
 
+class WindowMarker(Static):
+    """Where the model's window starts: the messages above stay stored, it no longer sees
+    them (the context filled; ``window.py``)."""
+
+    def __init__(self, left_out: int):
+        super().__init__(f"── the model sees from here on: {left_out} earlier message"
+                         f"{'s' if left_out != 1 else ''} left out of its context (kept, "
+                         "searchable) ──", markup=False, classes="window-marker")
+
+
 class ChatView(VerticalScroll):
     shown: tuple = ()  # what ``show`` drew last
     by_seq: dict = {}  # its message widgets by the messages' seq
 
-    def show(self, messages: list[Message], keep: bool = False) -> None:
+    def show(self, messages: list[Message], keep: bool = False, window_from: int = 0) -> None:
         """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
-        what it shows already."""
+        what it shows already. ``window_from``: the first message the model still sees (the
+        conversation's window, ``window.py``); a marker stands before it."""
         drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
+        drawn += (window_from,)
         if keep and drawn == self.shown:
             return
         self.shown = drawn
         self.remove_children()
         self.by_seq: dict[int, object] = {}
-        for m in messages:
+        for i, m in enumerate(messages):
+            if i == window_from and 0 < i < len(messages):
+                self.mount(WindowMarker(window_from))
             if m.role == "user":
                 widget = UserMessage(m.content)
             elif m.role == "assistant":
