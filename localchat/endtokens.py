@@ -30,6 +30,29 @@ END_TEXTS = (
 )
 
 
+# gpt-oss's framing of a reply: its analysis channel, then the final one (``replies.py`` splits
+# a reply there; ``<|end|>`` inside it is not the end of the reply).
+HARMONY = ("<|channel|>analysis<|message|>",
+           "<|end|><|start|>assistant<|channel|>final<|message|>")
+
+
+def parser_markers(tokenizer) -> tuple[str, ...]:
+    """The marker strings a reply's parsers read (reasoning, tool calls, gpt-oss's channels),
+    from mlx-lm's tokenizer wrapper: the special tokens inside them stay reply text."""
+    found: list[str] = []
+    if getattr(tokenizer, "has_thinking", False):
+        found += [tokenizer.think_start, tokenizer.think_end]
+    if getattr(tokenizer, "has_tool_calling", False):
+        found += [tokenizer.tool_call_start, tokenizer.tool_call_end]
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, TypeError):
+        vocab = {}
+    if "<|channel|>" in vocab and "<|message|>" in vocab:
+        found += list(HARMONY)
+    return tuple(m for m in found if isinstance(m, str) and m)
+
+
 @dataclass(frozen=True)
 class EndTokens:
     """A model's end-of-generation ids and the control ids a reply never holds as text."""

@@ -323,12 +323,10 @@ class Engine:
 
     def end_tokens(self):
         if self._end_tokens is None:
-            from .endtokens import end_tokens
-            from .replies import thinking_markers, tool_markers
+            from .endtokens import end_tokens, parser_markers
 
-            keep = tuple(m for pair in (thinking_markers(self), tool_markers(self)) if pair
-                         for m in pair if m)
-            self._end_tokens = end_tokens(self.tokenizer, self.ref.path, keep)
+            self._end_tokens = end_tokens(self.tokenizer, self.ref.path,
+                                          parser_markers(self.tokenizer))
             # mlx-lm's own loops (``batch_generate`` in ``parallel.py``) stop on the same set.
             for tok in sorted(self._end_tokens.ends - set(self.tokenizer.eos_token_ids)):
                 self.tokenizer.add_eos_token(str(tok))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+from .endtokens import HARMONY  # gpt-oss's channels (a reply's <|end|> is not its end)
+
 
 def tool_markers(engine) -> tuple[str, str] | None:
     """The model's tool-call markers (start, end), or None when its template has none."""
@@ -99,10 +101,6 @@ class ToolHold:
 
 
 # -- reasoning --------------------------------------------------------------------------------
-
-
-HARMONY = ("<|channel|>analysis<|message|>",  # gpt-oss: its analysis channel, then the final one
-           "<|end|><|start|>assistant<|channel|>final<|message|>")
 
 
 def thinking_markers(engine) -> tuple[str, str] | None:
