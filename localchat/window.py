@@ -96,15 +96,21 @@ def fit(render, context: int, history: list[dict], window_from: int, policy: str
             sizes[u] = len(render(head + body[u:]))
         return sizes[u]
 
-    for limit in (context // 2, context - budget):
+    for limit in (context // 2, context - budget, None):
+        if limit is None:
+            # Nothing leaves room for the whole budget: a window that fits at all takes the
+            # room there is (the current one first: a cut that gains no budget is no use).
+            if len(tokens) < context:
+                return Fitted(tokens, context - len(tokens), start, False)
+            limit = context - 1
         found = _first(later, lambda u: size(u) <= limit)
         if found is not None:
             tokens = render(head + body[found:])
             return Fitted(tokens, min(max_tokens, context - len(tokens)), found, True)
     last = size(users[-1]) if users else len(tokens)
     raise ContextFull(
-        f"the last message alone is {last} tokens with its reply budget of {budget}; {name} "
-        f"holds {context}: shorten the message")
+        f"the last message alone is {last} tokens; {name} holds {context}: shorten the "
+        "message")
 
 
 def _first(items: list[int], ok) -> int | None:

@@ -232,3 +232,18 @@ async def test_the_app_marks_the_window_and_switches_the_policy(make_app):
         await pilot.press("enter")
         await settle(app, pilot)
         assert app.store.get(app.current.name).context_overflow == "stop"
+
+
+def test_a_long_last_message_takes_the_room_there_is():
+    """A message that fits the context but not with a whole reply budget is still answered
+    (as with ``stop``), in the room left; one that does not fit at all is refused."""
+    history = [{"role": "user", "content": "only"}]
+    for n, ok in ((190, True), (199, True), (200, False)):
+        def render(msgs, n=n):
+            return [0] * n
+        if ok:
+            got = fit(render, 200, history, 0, "truncate", 64, "m")
+            assert (got.max_tokens, got.moved) == (200 - n, False)
+        else:
+            with pytest.raises(ContextFull):
+                fit(render, 200, history, 0, "truncate", 64, "m")
