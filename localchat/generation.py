@@ -74,12 +74,14 @@ class Run:
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
-             options: TurnOptions, cancel: Cancel, run: Run) -> Iterator[Event]:
+             options: TurnOptions, cancel: Cancel, run: Run, stepped: bool = False
+             ) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
     Models with bounded layers get a checkpoint one token before the reply (the end of
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
+    ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch.
     """
     cache = start.cache
 
@@ -125,7 +127,10 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p):
+                             options.top_p, stepped=stepped):
+        if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
+            yield tok
+            continue
         if run.t_first is None:
             run.t_first = now()
         run.generated.append(tok)

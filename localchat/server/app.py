@@ -141,8 +141,8 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         service.log(f"localchat serve: {api} {err.status} {err.message}")
         return _error(err, api)
     loop = asyncio.get_running_loop()
-    job, events = Job.for_loop(lambda session, emit: _turn(session, emit, req, job.cancel),
-                               loop)
+    job, events = Job.for_loop(lambda session, emit: _turn(session, req, job.cancel), loop)
+    job.cost = _cost(service, req)
     try:
         service.worker.submit(job)
     except QueueFull as err:
@@ -171,8 +171,19 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         _finish(finished), finished.stop_sequence, finished.tool_calls, finished.reasoning))
 
 
-def _turn(session, emit, req: ChatRequest, cancel) -> None:
-    """On the model thread: place the request in a conversation and answer it."""
+def _cost(service: Service, req: ChatRequest) -> int:
+    """An upper bound of the K/V bytes the request's turn holds in memory: a token is at
+    least one byte of text (plus the template's few per message), the reply at most its cap,
+    the cache in the compute dtype (float32 on the CPU path: twice the disk's float16)."""
+    info = service.worker.session.engine.info()
+    text = sum(len(m["content"].encode()) + 16 for m in req.messages)
+    tokens = min(info.context_length, text + 64 + (req.max_tokens or info.context_length))
+    return 2 * info.kv_bytes_per_token * tokens + info.state_bytes
+
+
+def _turn(session, req: ChatRequest, cancel):
+    """On the model thread: place the request in a conversation and answer it; the turn's
+    events, for the scheduler to drive (``worker.py``)."""
     room = session.engine.info().context_length
     if req.tools and tool_markers(session.engine) is None:
         raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
@@ -182,9 +193,9 @@ def _turn(session, emit, req: ChatRequest, cancel) -> None:
                           thinking=req.thinking)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
-        for ev in session.answer(conv, new, options, cancel):
-            if isinstance(ev, (ReasoningChunk, ReplyChunk, TurnFinished)):
-                emit(ev)
+        # Every event goes to the scheduler: prefill chunks and decode steps are where it
+        # interleaves turns; the answers read the reply's (the rest they pass over).
+        yield from session.answer(conv, new, options, cancel)
     except (ContextFull, BadInput):
         if made:  # refused before anything was added: leave no trace of the request
             session.delete(conv)
