@@ -234,10 +234,10 @@ class Scheduler:
                 self.log(f"localchat: turns of this model run one at a time ({self.refusal})")
         return 1 if self.refusal else self.max_batch
 
-    def serve_forever(self, stop: threading.Event | None = None) -> None:
-        """Run jobs from ``jobs`` until ``stop`` is set (checked between steps)."""
+    def serve_forever(self) -> None:
+        """Run queued jobs, for ever (the server's daemon thread)."""
         self.session.stepped = True
-        while stop is None or not stop.is_set():
+        while True:
             self.admit(block=not self.running)
             self.round()
 
@@ -264,11 +264,12 @@ class Scheduler:
     def admit(self, block: bool) -> None:
         """Start waiting jobs, oldest first, while there is room: ``width`` turns, and K/V
         within ``memory`` (a job that would pass it waits; alone, a job runs whatever it
-        costs, as it always could). ``block``: wait a while for one when none runs."""
+        costs, as it always could). ``block``: wait for one when none runs."""
         while len(self.running) < self.width:
             with self.arrived:
-                if not self.queued and block and not self.running:
-                    self.arrived.wait(timeout=0.5)
+                while not self.queued and block and not self.running:
+                    # No timeout: a daemon thread woken while the interpreter exits aborts it.
+                    self.arrived.wait()
                 if not self.queued:
                     return
                 work = self.queued[0]

@@ -93,8 +93,11 @@ def make_app(service: Service) -> Starlette:
              "context_length": service.context_length}]})
 
     async def health(request: Request) -> Response:
+        sched = service.worker.scheduler
         return JSONResponse({"status": "ok", "model": service.model,
-                             "waiting": service.worker.waiting})
+                             "waiting": service.worker.waiting,
+                             "running": len(sched.running), "max_batch": sched.max_batch,
+                             "widest_batch": sched.widest})
 
     async def not_found(request: Request, exc) -> Response:
         api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
