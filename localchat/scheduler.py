@@ -180,6 +180,20 @@ def batch_refusal(engine) -> str:
 # -- the scheduler ----------------------------------------------------------------------------
 
 
+def batch_memory() -> int:
+    """The K/V bytes running turns may hold together: ``LOCALCHAT_BATCH_MEMORY`` (``4G``), else
+    a quarter of the machine's memory (the model's weights and the OS need the rest)."""
+    from .kvcache.budget import parse_size
+
+    text = os.environ.get(BATCH_MEMORY_ENV, "").strip()
+    if text:
+        return parse_size(text)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError):  # (no sysconf names: a platform without them)
+        return 8 * 2**30
+
+
 @dataclass
 class Work:
     """A job the scheduler runs: ``start(session)`` returns a turn's event generator (driven
@@ -221,7 +235,7 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         if not self.memory:
-            self.memory = int(os.environ.get(BATCH_MEMORY_ENV, "0") or 0)
+            self.memory = batch_memory()
 
     @property
     def width(self) -> int:

@@ -240,7 +240,7 @@ def test_a_full_queue_answers_429(server):
         time.sleep(0.05)
     for t in threads:
         t.join(180)
-    assert codes.count(200) >= 3 and 429 in codes, codes
+    assert codes.count(200) >= 2 and 429 in codes, codes
     s.stop()
 
 
