@@ -308,7 +308,7 @@ def many_clients(args, engine, model: str, home: Path) -> dict:
     out = {"client_max_tokens": max_tokens, "clients": {}}
     server = Server("localchat", model, home / "clients", "--max-batch", "8").start()
     try:
-        server.ask([{"role": "user", "content": "warm-up"}], 4)
+        at_once(server, [[{"role": "user", "content": f"warm-up {i}"}] for i in range(2)], 4)
         for n in sizes:
             walls, equal = [], True
             for t in range(trials):
