@@ -25,10 +25,12 @@ step reads the weights once for all rows (decode is memory-bound: 91 ms at batch
 8 on the default model, issue 32). Batched matmuls round differently from one-row ones
 (~1e-5 here), so greedy replies can, rarely, differ from the lone reply.
 
-Cache kinds: attention caches (KVCache, MLA, RotatingKVCache, ChunkedKVCache, CacheLists of
-them) batch this way; a model with recurrent state (ArraysCache) or whose batched step does
-not match its lone steps (``batch_refusal`` tries one) runs its turns one at a time, said once
-in the log. What it is not: the HTTP side (``server/``), the turn itself (``session.py``).
+Cache kinds: attention caches (KVCache, RotatingKVCache, CacheLists of them) batch this way,
+and recurrent state (ArraysCache: conv and SSM state) through ``SplitArrays``, which stacks the
+rows' states for the step and writes each row back. A model whose batched step fails or does
+not match its lone steps (``batch_refusal`` tries one at start: MLA, which works on its keys
+before attention; llama4's chunked cache; deepseek_v32's indexer) runs its turns one at a
+time, said once in the log. What it is not: the HTTP side (``server/``), the turn itself (``session.py``).
 """
 
 from __future__ import annotations
@@ -61,14 +63,70 @@ class SplitMask:
         self.parts = parts
 
 
+def split_layer(caches: list):
+    """One layer's caches of several turns as one batch cache: ``SplitArrays`` for recurrent
+    state (``ArraysCache``), else ``SplitCache``."""
+    if hasattr(caches[0], "cache") and hasattr(caches[0], "advance") and \
+            not hasattr(caches[0], "offset"):
+        return SplitArrays(caches)
+    return SplitCache(caches)
+
+
+class SplitArrays:
+    """Recurrent state (conv, SSM) of several turns: read as one array along the batch axis,
+    written back row by row. The recurrence of each row depends on that row alone."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+        if any(c.lengths is not None or c.left_padding is not None for c in caches):
+            raise ValueError("a padded recurrent state")  # (made by batch caches only)
+
+    lengths = None
+    left_padding = None
+
+    def __getitem__(self, i: int):
+        import mlx.core as mx
+
+        parts = [c[i] for c in self.caches]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise ValueError("recurrent state set for some rows only")
+        return mx.concatenate(parts, axis=0)
+
+    def __setitem__(self, i: int, value) -> None:
+        for j, c in enumerate(self.caches):
+            c[i] = value[j:j + 1]
+
+    def advance(self, n: int) -> None:
+        for c in self.caches:
+            c.advance(n)
+
+    def make_mask(self, n: int, **kw):
+        masks = [c.make_mask(n, **kw) for c in self.caches]
+        if any(m is not None for m in masks):
+            raise ValueError("a recurrent state's mask")
+        return None
+
+
 class SplitCache:
     """One layer's caches of several turns, seen by the model as one batch cache."""
 
     def __init__(self, caches: list):
         self.caches = caches
 
-    def __getitem__(self, i: int) -> SplitCache:  # a CacheList's parts
-        return SplitCache([c[i] for c in self.caches])
+    def __getitem__(self, i: int):  # a CacheList's parts
+        return split_layer([c[i] for c in self.caches])
+
+    @property
+    def keys(self):
+        # Read only to order evaluation (``mx.depends`` in qwen3_next): the first row stands
+        # for the batch.
+        return self.caches[0].keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.caches[0].keys = value
 
     @property
     def offset(self):
@@ -134,7 +192,7 @@ def run_steps(model, steps: list[Step]) -> None:
         s.logits = model(s.token[:, None], cache=s.cache)[:, -1, :]
         return
     tokens = mx.concatenate([s.token for s in steps])[:, None]
-    split = [SplitCache([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
+    split = [split_layer([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
     logits = model(tokens, cache=split)[:, -1, :]
     for i, s in enumerate(steps):
         s.logits = logits[i:i + 1]
@@ -146,13 +204,6 @@ def batch_refusal(engine) -> str:
     lone steps (logits within 1e-3: batched matmuls round differently, a wrong row does not)."""
     import mlx.core as mx
 
-    from .kvcache import kinds as ck
-
-    cache = engine.new_cache()
-    odd = sorted({type(o).__name__ for _, o in ck.leaves(cache) if ck.kind_of(o) != ck.GROWING
-                  and "KVCache" not in type(o).__name__})
-    if odd:
-        return f"its {', '.join(odd)} state is not batched here"
     install_split_attention()
     prompts = [[3 + i for i in range(5)], [1 + 5 * i for i in range(9)]]  # ids every vocab has
     try:
@@ -253,7 +304,11 @@ class Scheduler:
         self.session.stepped = True
         while True:
             self.admit(block=not self.running)
-            self.round()
+            try:
+                self.round()
+            except Exception as err:  # noqa: BLE001 - a bug: its turns answer it, serving goes on
+                for t in list(self.running):
+                    self._retire(t, err)
 
     def run_all(self, works: list[Work]) -> None:
         """Run ``works`` to their end (``batch --parallel``), in order of admission."""
@@ -324,13 +379,35 @@ class Scheduler:
             # Each waits for a conversation's lock and no other turn here holds one now.
             self._advance(self.running[0], unlock=True)
         stepping = [t for t in self.running if t.step is not None]
-        if stepping:
-            run_steps(self.session.engine.model, [t.step for t in stepping])
-            self.steps, self.rows = self.steps + 1, self.rows + len(stepping)
-            self.widest = max(self.widest, len(stepping))
-            for t in stepping:
-                t.step = None
-                self._advance(t)
+        if not stepping:
+            return
+        model = self.session.engine.model
+        try:
+            run_steps(model, [t.step for t in stepping])
+        except Exception:  # noqa: BLE001 - tried again one by one: only a failing turn fails
+            for t in list(stepping):
+                try:
+                    run_steps(model, [t.step])
+                except Exception as err:  # noqa: BLE001 - its owner answers it
+                    stepping.remove(t)
+                    self._retire(t, err)
+        self.steps, self.rows = self.steps + 1, self.rows + len(stepping)
+        self.widest = max(self.widest, len(stepping))
+        for t in stepping:
+            t.step = None
+            self._advance(t)
+
+    def _retire(self, turn: _Turn, err: BaseException) -> None:
+        """End ``turn`` with ``err`` (closed: it keeps its partial reply and the cache of what
+        was fed, as a lone turn stopped there)."""
+        try:
+            turn.events.close()
+        except Exception:  # noqa: BLE001 - already failing: the first error is the answer
+            pass
+        turn.work.emit(err)
+        if turn in self.running:
+            self.running.remove(turn)
+        turn.work.done()
 
     def _advance(self, turn: _Turn, unlock: bool = False) -> None:
         """Run ``turn`` to its next yield point: a Step (it then waits for the batch), a

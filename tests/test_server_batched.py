@@ -28,9 +28,9 @@ from localchat.engine import Engine
 from localchat.store import Store
 
 FAMILIES = ["llama", "gemma3_text", "deepseek_v3", "qwen3_next"]
-# Decoded together; deepseek_v3 (MLA works on its keys before attention) and qwen3_next
-# (recurrent state) run their turns one at a time.
-BATCHED = {"llama", "gemma3_text"}
+# Decoded together (qwen3_next's recurrent state too); deepseek_v3 (MLA works on its keys
+# before attention) runs its turns one at a time.
+BATCHED = {"llama", "gemma3_text", "qwen3_next"}
 TOKENS = 16
 
 
