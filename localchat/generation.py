@@ -126,8 +126,10 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     text = Streamed(options.stop)  # the answer, cut at a stop string
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
+    # Passed only when set: an engine that is never batched (a test's fake) has no such flag.
+    steps = {"stepped": True} if stepped else {}
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, stepped=stepped):
+                             options.top_p, **steps):
         if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
             yield tok
             continue
