@@ -177,7 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", metavar="KEY", help="clients must send it (or set "
                     "LOCALCHAT_API_KEY, which keeps it off the command line)")
     sv.add_argument("--queue", type=int, default=16, metavar="N",
-                    help="requests that may wait while one runs (more get 429)")
+                    help="requests that may wait to start (more get 429)")
+    sv.add_argument("--max-batch", type=int, default=None, metavar="N",
+                    help="requests decoded together (default 8; 1: one at a time)")
     sv.add_argument("--context-overflow", choices=POLICIES, default="stop",
                     help="a request longer than the context: stop (default: 400 "
                     "context_length_exceeded, as the APIs do) or truncate (the oldest turns "

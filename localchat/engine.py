@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from .cpu import attention, backend
 from .errors import BadInput, ModelBroken
+from .events import Step
 from .kvcache import kinds as ck
 from .kvcache.folder import Layout, common_prefix
 from .models import ModelRef, model_digest, resolve
@@ -389,8 +390,8 @@ class Engine:
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
         top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-    ) -> Iterator[int]:
+        repetition_penalty: float = 1.0, stepped: bool = False,
+    ) -> Iterator[int | Step]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
         Greedy when ``temp`` is 0 (``top_p``/``top_k``/``min_p`` then change nothing);
@@ -398,7 +399,10 @@ class Engine:
         Control tokens that are not ends (``hidden_ids - eos_ids``: ``<|im_start|>`` in a
         reply) are never sampled: a reply cannot hold one, so its stored text renders back
         to the ids that were fed. The step for token n+1 is queued before token n is yielded
-        (MLX async eval), so the model works while the caller prints.
+        (MLX async eval), so the model works while the caller prints. ``stepped``: each model
+        step is yielded as a ``Step`` for a scheduler to run together with other turns'
+        (``scheduler.py``) instead of being run here; a ``seed`` then keeps its own random
+        stream, so a seeded turn samples as it would alone.
         """
         import mlx.core as mx
         from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -424,7 +428,19 @@ class Engine:
             return root(sampler(scores))
 
         root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
-        y = pick(logits)
+        key = mx.random.state[0] if stepped and seed is not None else None
+
+        def sample(logits):
+            nonlocal key
+            if key is None:
+                return pick(logits)
+            # Other turns sample between this one's steps: swap its own stream in and out.
+            shared, mx.random.state[0] = mx.random.state[0], key
+            y = pick(logits)
+            key, mx.random.state[0] = mx.random.state[0], shared
+            return y
+
+        y = sample(logits)
         mx.async_eval(y)
         for n in range(max_tokens):
             tok = int(y.item())
@@ -436,9 +452,18 @@ class Engine:
                 yield tok
                 # Fed too, once the caller asks for more: the cache then ends where the
                 # reply's text ends (not inside a character split over two tokens).
-                mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
+                if stepped:
+                    yield Step(y, cache)
+                else:
+                    mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
                 return
-            y = pick(self.model(y[:, None], cache=cache)[:, -1, :])
+            if stepped:
+                step = Step(y, cache)
+                yield step
+                logits = step.logits
+            else:
+                logits = self.model(y[:, None], cache=cache)[:, -1, :]
+            y = sample(logits)
             mx.async_eval(y)
             yield tok
 

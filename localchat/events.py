@@ -17,6 +17,19 @@ class Notice:
     """Something the user should read once (cache rebuilt, waiting for a lock)."""
 
     text: str
+    waiting: bool = False  # the turn waits for a conversation's lock when resumed
+
+
+@dataclass
+class Step:
+    """A decode step a turn asks the scheduler for (``scheduler.py``), only while one drives
+    the session (``Session.stepped``): feed ``token`` (a (1,) MLX array) into ``cache``; the
+    scheduler runs it in a batch with other turns' steps and puts the last position's
+    ``logits`` here before the turn goes on. Never reaches a front end."""
+
+    token: object
+    cache: list
+    logits: object = None
 
 
 @dataclass(frozen=True)

@@ -86,12 +86,14 @@ class Run:
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
-             options: TurnOptions, cancel: Cancel, run: Run) -> Iterator[Event]:
+             options: TurnOptions, cancel: Cancel, run: Run, stepped: bool = False
+             ) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
     Models with bounded layers get a checkpoint one token before the reply (the end of
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
+    ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch.
     """
     cache = start.cache
 
@@ -136,8 +138,13 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     text = Streamed(options.stop)  # the answer, cut at a stop string
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
+    # Passed only when set: an engine that is never batched (a test's fake) has no such flag.
+    steps = {"stepped": True} if stepped else {}
     for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, **options.sampling_extras()):
+                             options.top_p, **options.sampling_extras(), **steps):
+        if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
+            yield tok
+            continue
         if run.t_first is None:
             run.t_first = now()
         run.generated.append(tok)

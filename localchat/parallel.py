@@ -1,10 +1,10 @@
-"""Batched decoding of ephemeral batch lines with mlx-lm's ``batch_generate``.
+"""``localchat batch --parallel N``: a group of batch lines decoded together on the scheduler.
 
-Used by ``localchat batch --parallel N``. Measured on the default model (scripts/bench_batch.py,
-16 prompts sharing a 500-token system prompt, 32 tokens each, 2-core CPU): 10.9 s batched vs
-23.3 s one at a time. It is opt-in because batched (padded) matmuls round differently from
-one-at-a-time ones: 15 of those 16 greedy replies were identical, one was not, and ``batch``
-promises by default the same replies as ``ask``.
+Each line is the turn ``Session.complete`` runs for it alone (its prefix from the pool,
+prefill, decode), driven by the same ``Scheduler`` as ``serve`` (``scheduler.py``): up to N
+lines decode together, one model call per step for all of them. The replies are the lone
+replies except for rare greedy differences (batched matmuls round differently), which is why
+``--parallel`` stays opt-in: ``batch`` promises by default the replies ``ask`` gives.
 
 A group shares prefixes the same way as the sequential path: the group's common prefix is
 prefilled once into the pool, and each line starts from a sliced copy of the best pooled cache.
@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .engine import now
 from .errors import LocalchatError
-from .events import Usage
-from .generation import opened_in_prompt
+from .events import TurnFinished, Usage
+from .generation import TurnOptions
 from .kvcache.folder import common_prefix
 from .kvcache.prefixes import PrefixPool
-from .replies import split_reasoning, thinking_markers
+from .scheduler import Scheduler, Work
 from .session import Session
 
 
@@ -30,73 +29,36 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     """(reply, reasoning, usage) for ``chats`` decoded together; the error in place of a line
     that failed (one that does not fit the context). The chats are checked lines
     (``batch.py``); ``thinking``: the template's switch (``TurnOptions.thinking``)."""
-    from mlx_lm.generate import batch_generate
-    from mlx_lm.sample_utils import make_sampler
-
     engine = session.engine
-    rendered: list[tuple[list[int], int] | LocalchatError] = []
+    rendered = []
     for chat, limit in zip(chats, max_tokens):
         try:
-            rendered.append(session.render_checked(chat, limit, thinking=thinking))
-        except LocalchatError as err:  # becomes this line's error record
-            rendered.append(err)
-    ok = [r for r in rendered if not isinstance(r, LocalchatError)]
-    if not ok:
-        return rendered
-    _seed_pool(engine, pool, [tokens for tokens, _ in ok])
-    prompts, caches, ks = [], [], []
-    for tokens, _ in ok:
-        k, cache, _ = pool.take(tokens)
-        prompts.append(tokens[k:])
-        caches.append(cache)
-        ks.append(k)
-    t0 = now()
-    out = batch_generate(engine.model, engine.tokenizer, prompts, prompt_caches=caches,
-                         max_tokens=[limit for _, limit in ok], return_token_ids=True,
-                         sampler=make_sampler(temp))
-    stats = out.stats
-    info = engine.info()
-    markers = thinking_markers(engine)
-    results, i = [], 0
-    for r in rendered:
-        if isinstance(r, LocalchatError):
-            results.append(r)
-            continue
-        tokens, limit = r
-        ids = list(out.token_ids[i])
-        n_gen = len(ids) + (1 if len(ids) < limit else 0)  # the EOS that ended it
-        # The group's clock: its prompt time, then its decode time over this line's tokens.
-        t_first = t0 + stats.prompt_time
-        usage = Usage.of(
-            prompt_tokens=len(tokens), cached_tokens=ks[i], completion_tokens=n_gen, t0=t0,
-            t_first=t_first, t_last=t_first + max(n_gen - 1, 0) / max(stats.generation_tps, 1e-9),
-            prefill_s=stats.prompt_time * (len(tokens) - ks[i]) / max(stats.prompt_tokens, 1),
-            context_tokens=len(tokens) + len(ids), context_length=info.context_length,
-            miss_reason="" if ks[i] else "no shared prefix",
-            reasoning_tokens=_thought(engine, markers, ids))
-        text = engine.tokenizer.decode(ids)
-        opened = opened_in_prompt(engine, markers, tokens)
-        reasoning, reply = split_reasoning(markers, (markers[0] + text) if opened else text)
-        results.append((reply, reasoning, usage))
-        i += 1
-    return results
+            rendered.append(session.render_checked(chat, limit, thinking=thinking)[0])
+        except LocalchatError:  # the line's own turn raises it again, as its error record
+            pass
+    if len(rendered) > 1:
+        _seed_pool(engine, pool, rendered)
+    results: list = [None] * len(chats)
 
+    def work(i: int) -> Work:
+        options = TurnOptions(max_tokens=max_tokens[i], temp=temp, thinking=thinking)
 
-def _thought(engine, markers: tuple[str, str] | None, ids: list[int]) -> int:
-    """How many of a reply's ``ids`` are its reasoning (to its end marker, included)."""
-    if not markers:
-        return 0
-    end = engine.encode(markers[1])
-    for at in range(len(ids) - len(end) + 1):
-        if ids[at:at + len(end)] == end:
-            return at + len(end)
-    return 0
+        def emit(ev) -> None:
+            if isinstance(ev, TurnFinished):
+                results[i] = (ev.reply, ev.reasoning, ev.usage)
+            elif isinstance(ev, LocalchatError):
+                results[i] = ev
+            elif isinstance(ev, BaseException):
+                raise ev  # a bug: not a line's error record
+
+        return Work(lambda s: s.complete(chats[i], pool, options), emit)
+
+    Scheduler(session, max_batch=len(chats)).run_all([work(i) for i in range(len(chats))])
+    return [r if r is not None else LocalchatError("no reply") for r in results]
 
 
 def _seed_pool(engine, pool: PrefixPool, prompts: list[list[int]]) -> None:
     """Prefill the group's common prefix once, unless the pool already holds it."""
-    if len(prompts) < 2:
-        return
     shared = min(common_prefix(prompts[0], p) for p in prompts[1:])
     shared = min(shared, min(len(p) for p in prompts) - 1)
     held, _ = pool.peek(prompts[0])

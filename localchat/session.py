@@ -109,6 +109,9 @@ class Session:
         self.drafts = self.group.local_only(Drafts(self.cache, self.conversations), NoDrafts())
         self._running: tuple[Conversation, Run] | None = None  # for ``save_partial``
         self.unfinished: list[str] = []  # turns a killed process left (``open_session``)
+        # True while a scheduler drives this session's turns (``scheduler.py``): their decode
+        # steps come out as ``Step`` events, run in a batch with other turns'.
+        self.stepped = False
 
     @property
     def kv_root(self) -> Path:
@@ -248,7 +251,7 @@ class Session:
         t0 = now()
         lock = self.conversations.lock(conv)
         if not lock.try_acquire():
-            yield Notice(lock.waiting_message)
+            yield Notice(lock.waiting_message, waiting=True)
             lock.acquire()
         try:
             # Under the lock, as stored now: another process may have renamed, changed or
@@ -325,7 +328,7 @@ class Session:
         try:
             try:
                 yield from generate(self.engine, new_tokens, start, max_tokens, options,
-                                                    cancel, run)
+                                    cancel, run, self.stepped)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -430,7 +433,7 @@ class Session:
         start = self.cache.agree(Start(cache, k, snaps))  # every rank at the same token
         run = Run()
         yield from generate(self.engine, tokens[start.pos:], start, max_tokens, options,
-                                            cancel or Cancel(), run)
+                            cancel or Cancel(), run, self.stepped)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"

@@ -13,7 +13,12 @@ Then the prefix index at scale: a new conversation's TTFT with STORED caches on 
 empty store, through the server and through ``localchat ask``. mlx_lm.server runs a float32
 copy of a quantized model (``mlx_lm convert -d``), as localchat's CPU path does.
 
-Usage: python scripts/bench_serve.py [--quick | --smoke] [-m MODEL] [--stored N]
+Then many clients at once (issue 32): aggregate decode tok/s of 1/2/4/8 streaming clients at
+once against the same requests one at a time (every reply compared with its lone reply), and
+the inter-token gaps of three running streams while a ~LONG-token prompt arrives and is
+prefilled (median and max) against their gaps without it.
+
+Usage: python scripts/bench_serve.py [--quick | --smoke] [-m MODEL] [--stored N] [--clients-only]
 ``--quick``: 2 trials, 4 turns. ``--smoke``: 1 trial, 3 turns, 50 stored caches, every step
 in seconds on a tiny model (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
@@ -45,13 +50,13 @@ class Server:
     """A chat-completions server in a child process: ``localchat serve`` or
     ``mlx_lm.server`` (with localchat's BLAS loaded first)."""
 
-    def __init__(self, kind: str, model: str, home: Path):
-        self.kind, self.model, self.home = kind, model, home
+    def __init__(self, kind: str, model: str, home: Path, *args: str):
+        self.kind, self.model, self.home, self.args = kind, model, home, args
 
     def start(self) -> Server:
         env = {**os.environ, "LOCALCHAT_HOME": str(self.home)}
         if self.kind == "localchat":
-            cmd = benchlib.localchat("serve", "-m", self.model, "--port", "0")
+            cmd = benchlib.localchat("serve", "-m", self.model, "--port", "0", *self.args)
             self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
             for line in self.proc.stderr:
                 if m := re.search(r"on http://127.0.0.1:(\d+)/v1", line):
@@ -85,8 +90,10 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
 
-    def ask(self, messages: list[dict], max_tokens: int) -> tuple[str, float, int]:
-        """(reply, seconds to the first streamed text, cached tokens if the server says)."""
+    def ask(self, messages: list[dict], max_tokens: int, times: list | None = None
+            ) -> tuple[str, float, int]:
+        """(reply, seconds to the first streamed text, cached tokens if the server says);
+        ``times``: gets the clock of every streamed piece."""
         body = {"model": self.model if self.kind != "localchat" else "localchat",
                 "messages": messages, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
@@ -104,6 +111,8 @@ class Server:
                     piece = (choice.get("delta") or {}).get("content") or ""
                     if piece and first is None:
                         first = time.perf_counter() - t0
+                    if piece and times is not None:
+                        times.append(time.perf_counter())
                     text += piece
                 usage = chunk.get("usage") or {}
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached)
@@ -154,6 +163,8 @@ def main() -> None:
     benchlib.add_flags(ap, "2 trials, 4 turns")
     ap.add_argument("--stored", type=int, default=None, metavar="N",
                     help="stored caches for the index's scale test (default 2000)")
+    ap.add_argument("--clients-only", action="store_true",
+                    help="only the many-clients part (aggregate tok/s, gaps)")
     args = ap.parse_args()
     trials = benchlib.pick(args, 3, 2, 1)
     turns = benchlib.pick(args, 5, 4, 3)
@@ -172,6 +183,10 @@ def main() -> None:
     engine = Engine.load(model)
     first = benchlib.filler_messages(engine, history_tokens)[0]["content"] + " Plan my trip."
     rows, record = [], {}
+    clients = many_clients(args, engine, model, home)
+    if args.clients_only:
+        print_clients(args, ref.name, clients)
+        return
     theirs_model = dequantized(model, home)
     cases = {}
     for t in range(trials):
@@ -241,9 +256,138 @@ def main() -> None:
           "rows 4-5: before | after | after / before)")
     benchlib.print_table(["case", "localchat", "mlx_lm.server / after", "ratio", "cached"],
                          rows)
+    print()
+    print_clients(args, ref.name, clients, json_line=False)
     benchlib.print_json({"bench": "serve", "mode": benchlib.mode(args), "model": ref.name,
                          "machine": benchlib.machine(), "turns": turns,
-                         "history_tokens": history_tokens, **record})
+                         "history_tokens": history_tokens, **record, **clients})
+
+
+# -- many clients at once ----------------------------------------------------------------------
+
+CLIENT_TOPICS = ["Seoul", "Paris", "the sea", "rain", "Busan", "mountains", "trains", "tea"]
+
+
+def at_once(server: Server, chats: list[list[dict]], max_tokens: int,
+            times: list[list] | None = None) -> tuple[list[str], float]:
+    """Every chat streamed at once (a thread each): (replies, wall seconds)."""
+    import threading
+
+    out: list = [None] * len(chats)
+
+    def one(i: int) -> None:
+        out[i] = server.ask(chats[i], max_tokens, times[i] if times else None)[0]
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(chats))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out, time.perf_counter() - t0
+
+
+def many_clients(args, engine, model: str, home: Path) -> dict:
+    """Aggregate tok/s of N clients at once vs the same requests one at a time, and the
+    running streams' inter-token gaps while a long prompt is prefilled."""
+    sizes = benchlib.pick(args, [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4])
+    max_tokens = benchlib.pick(args, 48, 32, 8)
+    long_tokens = benchlib.pick(args, 2048, 2048, 200)
+    trials = benchlib.pick(args, 2, 1, 1)
+    chats = [[{"role": "user", "content": f"Question {i}: tell me about "
+               f"{CLIENT_TOPICS[i % len(CLIENT_TOPICS)]} in a few lines."}] for i in range(8)]
+    lone = Server("localchat", model, home / "clients-lone", "--max-batch", "1").start()
+    try:
+        lone.ask([{"role": "user", "content": "warm-up"}], 4)
+        t0 = time.perf_counter()
+        reference = [lone.ask(c, max_tokens)[0] for c in chats[:max(sizes)]]
+        one_s = (time.perf_counter() - t0) / max(sizes)  # a request alone, on average
+    finally:
+        lone.stop()
+    tokens = [len(engine.encode(r)) for r in reference]  # (decoded text re-encoded: ~tokens)
+    out = {"client_max_tokens": max_tokens, "clients": {}}
+    server = Server("localchat", model, home / "clients", "--max-batch", "8").start()
+    try:
+        at_once(server, [[{"role": "user", "content": f"warm-up {i}"}] for i in range(2)], 4)
+        for n in sizes:
+            walls, equal = [], True
+            for t in range(trials):
+                # Fresh text per trial (a later trial would find the earlier one's cache).
+                batch = [[{"role": "user", "content": c[0]["content"] + " " * t}]
+                         for c in chats[:n]]
+                replies, wall = at_once(server, batch, max_tokens)
+                walls.append(wall)
+                equal = equal and (t > 0 or replies == reference[:n])
+            wall = benchlib.median(walls)
+            seq = one_s * n
+            out["clients"][str(n)] = {
+                "wall_s": round(wall, 3), "one_at_a_time_s": round(seq, 3),
+                "aggregate_tps": round(sum(tokens[:n]) / wall, 2),
+                "one_at_a_time_tps": round(sum(tokens[:n]) / seq, 2),
+                "speedup": round(seq / wall, 2), "replies_equal": equal}
+        out["gaps"] = gaps(server, engine, chats[:3], long_tokens, benchlib.pick(args, 96, 64, 12))
+    finally:
+        server.stop()
+    return out
+
+
+def gaps(server: Server, engine, chats: list[list[dict]], long_tokens: int, max_tokens: int
+         ) -> dict:
+    """Inter-token gaps of three streams: alone, and while a ``long_tokens`` prompt arrives
+    (sent once they stream, its prefill interleaved with their decode steps)."""
+    import threading
+
+    def run(with_long: bool, tag: str) -> tuple[list[float], float, float]:
+        times: list[list] = [[] for _ in chats]
+        batch = [[{"role": "user", "content": c[0]["content"] + tag}] for c in chats]
+        window = [0.0, 0.0]
+
+        def long_one() -> None:
+            while sum(len(t) for t in times) < 6:  # the three stream
+                time.sleep(0.01)
+            text = benchlib.filler_messages(engine, long_tokens)[0]["content"] + tag
+            window[0] = time.perf_counter()
+            server.ask([{"role": "user", "content": text}], 2)
+            window[1] = time.perf_counter()
+
+        helper = threading.Thread(target=long_one) if with_long else None
+        if helper:
+            helper.start()
+        at_once(server, batch, max_tokens, times)
+        if helper:
+            helper.join()
+        lo, hi = window if with_long else (0.0, float("inf"))
+        out = [b - a for t in times for a, b in zip(t, t[1:]) if lo <= b and a <= hi]
+        return out, *window
+
+    base, _, _ = run(False, " (plain)")
+    during, t0, t1 = run(True, " (long prompt)")
+    med = benchlib.median
+    return {"long_prompt_tokens": long_tokens, "median_gap_s": round(med(base), 4),
+            "max_gap_s": round(max(base), 4),
+            "median_gap_long_s": round(med(during), 4) if during else None,
+            "max_gap_long_s": round(max(during), 4) if during else None,
+            "long_prompt_s": round(t1 - t0, 3),
+            "median_gap_ratio": round(med(during) / med(base), 2) if during else None}
+
+
+def print_clients(args, name: str, r: dict, json_line: bool = True) -> None:
+    print(f"# many clients at once · {name} · {r['client_max_tokens']} tokens each · "
+          f"{benchlib.machine()}")
+    rows = [[n, f"{c['wall_s']:.2f} s", f"{c['one_at_a_time_s']:.2f} s",
+             f"{c['aggregate_tps']:.1f}", f"{c['one_at_a_time_tps']:.1f}", f"{c['speedup']:.2f}x",
+             c["replies_equal"]] for n, c in r["clients"].items()]
+    benchlib.print_table(["clients", "at once", "one at a time", "agg tok/s", "seq tok/s",
+                          "speedup", "= lone"], rows)
+    g = r["gaps"]
+    print(f"# three streams' inter-token gaps: alone median {g['median_gap_s'] * 1e3:.0f} ms "
+          f"(max {g['max_gap_s'] * 1e3:.0f}); while a {g['long_prompt_tokens']}-token prompt "
+          f"is prefilled ({g['long_prompt_s']:.2f} s) median "
+          f"{(g['median_gap_long_s'] or 0) * 1e3:.0f} ms (max "
+          f"{(g['max_gap_long_s'] or 0) * 1e3:.0f}): {g['median_gap_ratio']}x")
+    if json_line:
+        benchlib.print_json({"bench": "serve", "mode": benchlib.mode(args), "model": name,
+                             "machine": benchlib.machine(), **r})
 
 
 def fill(home: Path, model: str, n: int) -> None:

@@ -225,7 +225,8 @@ def test_four_streaming_clients_and_one_that_goes_away(server, tmp_path):
 
 
 def test_a_full_queue_answers_429(server):
-    s = server("llama", "--queue", "1")
+    # Two decode together, one waits to start: the rest are refused.
+    s = server("llama", "--queue", "1", "--max-batch", "2")
     body = json.dumps({"model": "localchat", "max_tokens": 600, "temperature": 0,
                        "messages": [{"role": "user", "content": "Talk about the sea."}]})
     codes = []
@@ -233,7 +234,7 @@ def test_a_full_queue_answers_429(server):
     def one() -> None:
         codes.append(post(f"{s.url}/v1/chat/completions", body)[0])
 
-    threads = [threading.Thread(target=one) for _ in range(4)]
+    threads = [threading.Thread(target=one) for _ in range(5)]
     for t in threads:
         t.start()
         time.sleep(0.05)

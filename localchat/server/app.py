@@ -104,8 +104,11 @@ def make_app(service: Service) -> Starlette:
              "defaults": service.defaults}]})
 
     async def health(request: Request) -> Response:
+        sched = service.worker.scheduler
         return JSONResponse({"status": "ok", "model": service.model,
-                             "waiting": service.worker.waiting})
+                             "waiting": service.worker.waiting,
+                             "running": len(sched.running), "max_batch": sched.max_batch,
+                             "widest_batch": sched.widest})
 
     async def not_found(request: Request, exc) -> Response:
         api = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
@@ -153,8 +156,8 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         return _error(err, api)
     loop = asyncio.get_running_loop()
     job, events = Job.for_loop(lambda session, emit: _turn(
-        session, emit, req, job.cancel, service.context_overflow),
-                               loop)
+        session, req, job.cancel, service.context_overflow), loop)
+    job.cost = _cost(service, req)
     try:
         service.worker.submit(job)
     except QueueFull as err:
@@ -183,8 +186,20 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         _finish(finished), finished.stop_sequence, finished.tool_calls, finished.reasoning))
 
 
-def _turn(session, emit, req: ChatRequest, cancel, overflow: str = "stop") -> None:
-    """On the model thread: place the request in a conversation and answer it."""
+def _cost(service: Service, req: ChatRequest) -> int:
+    """An upper bound of the K/V bytes the request's turn holds in memory: a token is at
+    least one byte of text (plus the template's few per message), the reply at most its cap,
+    the cache in the compute dtype (float32 on the CPU path: twice the disk's float16)."""
+    info = service.worker.session.engine.info()
+    text = sum(len(m["content"].encode()) + 16 for m in req.messages)
+    cap = req.max_tokens or service.sampling.max_tokens
+    tokens = min(info.context_length, text + 64 + cap)
+    return 2 * info.kv_bytes_per_token * tokens + info.state_bytes
+
+
+def _turn(session, req: ChatRequest, cancel, overflow: str = "stop"):
+    """On the model thread: place the request in a conversation and answer it; the turn's
+    events, for the scheduler to drive (``worker.py``)."""
     if req.tools and tool_markers(session.engine) is None:
         raise bad(f"{session.model_name}'s chat template has no tool calling; send the "
                   "request without tools", "tools")
@@ -198,9 +213,9 @@ def _turn(session, emit, req: ChatRequest, cancel, overflow: str = "stop") -> No
                           thinking=req.thinking)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
-        for ev in session.answer(conv, new, options, cancel):
-            if isinstance(ev, (ReasoningChunk, ReplyChunk, TurnFinished)):
-                emit(ev)
+        # Every event goes to the scheduler: prefill chunks and decode steps are where it
+        # interleaves turns; the answers read the reply's (the rest they pass over).
+        yield from session.answer(conv, new, options, cancel)
     except (ContextFull, BadInput):
         if made:  # refused before anything was added: leave no trace of the request
             session.delete(conv)

@@ -36,14 +36,14 @@ def key_for(host: str, api_key: str | None) -> str | None:
 
 
 def serve(session, host: str, port: int, api_key: str | None, queue: int,
-          ready=None, context_overflow: str = "stop") -> int:
+          ready=None, context_overflow: str = "stop", max_batch: int | None = None) -> int:
     """Serve ``session`` until Ctrl-C (or SIGTERM). ``ready(port)``: told once it listens."""
     import asyncio
 
     import uvicorn
 
     from .app import Service, make_app
-    from .worker import Worker
+    from .worker import DEFAULT_MAX_BATCH, Worker
 
     api_key = key_for(host, api_key)
     try:  # bound here, so that a taken port or a foreign address is one line of ours
@@ -51,7 +51,9 @@ def serve(session, host: str, port: int, api_key: str | None, queue: int,
         sock = socket.create_server((host.strip("[]"), port), family=family, backlog=64)
     except OSError as err:
         raise BadInput(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
-    service = Service(Worker(session, queue), api_key, context_overflow=context_overflow)
+    log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    worker = Worker(session, queue, max_batch or DEFAULT_MAX_BATCH, log=log)
+    service = Service(worker, api_key, context_overflow=context_overflow)
     config = uvicorn.Config(make_app(service), log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
@@ -83,12 +85,15 @@ def cmd_serve(args) -> int:
         raise BadInput("--port must be between 0 and 65535")
     if args.queue < 1:
         raise BadInput("--queue must be at least 1")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise BadInput("--max-batch must be at least 1")
     key_for(args.host, args.api_key)  # before the model loads
     session = open_session(args.model, progress=say)
     for text in session.start_notices():
         say(text)
     try:
         return serve(session, args.host, args.port, args.api_key, args.queue,
-                     context_overflow=args.context_overflow)
+                     context_overflow=args.context_overflow,
+                     max_batch=getattr(args, "max_batch", None))
     finally:
         session.close()

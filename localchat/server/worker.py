@@ -1,15 +1,15 @@
-"""The server's one model thread: requests run one at a time, in arrival order.
+"""The server's one model thread: requests run together on the scheduler, oldest first.
 
-What it is: ``Worker`` owns the ``Session`` (one SQLite connection, one cache in memory; MLX
-work belongs on one thread, as in the app). The HTTP side submits a ``Job`` and reads its
-events from an asyncio queue; a bounded number wait (``QueueFull`` past it: the API answers
-429). A job whose client went away has its ``Cancel`` set: the turn stops after the current
-token, keeps the partial reply and a cache that matches it. What it is not: the HTTP layer
+What it is: ``Worker`` owns the ``Session`` (one SQLite connection; MLX work belongs on one
+thread, as in the app) and runs a ``Scheduler`` (``scheduler.py``) on its thread: up to
+``max_batch`` turns decode together, each on its own conversation's exact cache. The HTTP
+side submits a ``Job`` and reads its events from an asyncio queue; a bounded number wait to
+start (``QueueFull`` past it: the API answers 429). A job whose client went away has its
+``Cancel`` set: the turn stops after the current token (or prefill chunk), keeps the partial
+reply and a cache that matches it, and the other turns go on. What it is not: the HTTP layer
 (``app.py``).
 
-Why not batch several clients' decoding: one-at-a-time decoding gives every client exactly
-the replies ``ask`` gives, and the cache of each turn is exact; a client waiting in the queue
-is told nothing until its turn starts (its stream opens then).
+A client waiting in the queue is told nothing until its turn starts (its stream opens then).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..generation import Cancel
+from ..scheduler import Scheduler, Work
 
 DONE = object()  # the end of a job's events
+DEFAULT_MAX_BATCH = 8  # where the aggregate still grows on a 2-core CPU (README, issue 32)
 
 
 class QueueFull(Exception):
@@ -31,12 +33,15 @@ class QueueFull(Exception):
 
 @dataclass
 class Job:
-    """One request's work on the model thread: ``run(session, emit)``; ``emit(item)`` hands
-    an event to whoever waits for the job (``for_loop``)."""
+    """One request's work on the model thread: ``run(session, emit)``, either done at once or
+    returning the turn's events (a generator the scheduler drives, each event handed to
+    ``emit``); ``emit(item)`` hands an event to whoever waits for the job (``for_loop``).
+    ``cost``: an upper bound of the K/V bytes its turn holds (the batch's memory budget)."""
 
     run: Callable
     emit: Callable = lambda item: None
     cancel: Cancel = field(default_factory=Cancel)
+    cost: int = 0
 
     @classmethod
     def for_loop(cls, run: Callable, loop: asyncio.AbstractEventLoop
@@ -56,20 +61,26 @@ class Job:
 
 
 class Worker:
-    """Runs jobs on one daemon thread, ``limit`` at most waiting."""
+    """Runs jobs on one daemon thread, ``max_batch`` turns at once, ``limit`` at most waiting."""
 
-    def __init__(self, session, limit: int = 16):
+    def __init__(self, session, limit: int = 16, max_batch: int = DEFAULT_MAX_BATCH,
+                 memory: int = 0, log: Callable[[str], None] | None = None):
         self.session = session
         self.limit = limit
-        self._jobs: queue.Queue = queue.Queue()
         self._waiting = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, name="localchat-mlx", daemon=True)
+        self.scheduler = Scheduler(session, max_batch, memory, log or (lambda line: None))
+        self._thread = threading.Thread(target=self.scheduler.serve_forever,
+                                        name="localchat-mlx", daemon=True)
         self._thread.start()
 
     @property
     def waiting(self) -> int:
         return self._waiting
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
 
     def submit(self, job: Job) -> None:
         """Queue ``job``. Raises QueueFull when ``limit`` jobs wait already."""
@@ -77,7 +88,7 @@ class Worker:
             if self._waiting >= self.limit:
                 raise QueueFull(f"{self._waiting} requests are waiting")
             self._waiting += 1
-        self._jobs.put(job)
+        self._put(job)
 
     def call(self, fn: Callable, *args):
         """``fn(session, *args)`` on the model thread, after the jobs before it (a quick job the
@@ -92,20 +103,24 @@ class Worker:
 
         with self._lock:
             self._waiting += 1
-        self._jobs.put(Job(run))
+        self._put(Job(run))
         ok, value = done.get()
         if not ok:
             raise value
         return value
 
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
+    def _put(self, job: Job) -> None:
+        def start(session):
             with self._lock:
                 self._waiting -= 1
-            try:
-                if not job.cancel.is_set():
-                    job.run(self.session, job.emit)
-            except BaseException as err:  # noqa: BLE001 - the request's coroutine answers it
-                job.emit(err)
-            job.emit(DONE)
+            return job.run(session, job.emit)
+
+        def cancelled() -> bool:
+            if job.cancel.is_set():
+                with self._lock:
+                    self._waiting -= 1
+                return True
+            return False
+
+        self.scheduler.put(Work(start, job.emit, cancelled, job.cost,
+                                done=lambda: job.emit(DONE)))

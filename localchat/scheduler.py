@@ -1,0 +1,438 @@
+"""Many turns at once on the one model thread: continuous batching over the session's turns.
+
+What it is: ``Scheduler`` drives several turn generators (``Session.answer``, ``turn``,
+``complete``) of one session on the model thread. Each turn runs exactly the code a lone turn
+runs — place, render, resume from its own conversation's cache (memory, disk, a shared
+prefix), prefill, decode, persist — except that its decode steps come out as ``Step`` events
+(``Session.stepped``). Between steps the scheduler
+
+- admits waiting jobs into the running set (continuous batching) while ``max_batch`` and the
+  memory budget allow (a job that does not fit waits in the queue: it is never crashed);
+- advances one turn that is not decoding by one yield point: its resume and one prefill
+  chunk (``Engine.prefill``'s 512 tokens), so a long prompt does not freeze the others;
+- runs every waiting ``Step`` as one model call (``run_steps``) and hands each turn its row.
+
+A turn retires when it ends, is stopped (``Cancel``, the client went away) or fails; it
+persists as a lone turn does, so its conversation is resumable.
+
+How a batch step stays per sequence: each turn keeps its own cache objects; for the batched
+call, layer ``i`` gets a ``SplitCache`` over the turns' layer-``i`` caches. Its ``offset`` is
+one position per row (``mx.fast.rope`` takes an array), ``update_and_fetch`` appends each row
+to its own cache, and attention (``mx.fast.scaled_dot_product_attention``, wrapped here) runs
+per row over exactly that row's keys, with that row's mask — no padding, no merge or extract,
+and the cache persisted afterwards is the lone turn's object. The dense layers run batched: a
+step reads the weights once for all rows (decode is memory-bound: 91 ms at batch 1, 131 ms at
+8 on the default model, issue 32). Batched matmuls round differently from one-row ones
+(~1e-5 here), so greedy replies can, rarely, differ from the lone reply.
+
+Cache kinds: attention caches (KVCache, RotatingKVCache, CacheLists of them) batch this way,
+and recurrent state (ArraysCache: conv and SSM state) through ``SplitArrays``, which stacks the
+rows' states for the step and writes each row back. A model whose batched step fails or does
+not match its lone steps (``batch_refusal`` tries one at start: MLA, which works on its keys
+before attention; llama4's chunked cache; deepseek_v32's indexer) runs its turns one at a
+time, said once in the log. What it is not: the HTTP side (``server/``), the turn itself (``session.py``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from .events import Notice, PrefillProgress, Step
+
+BATCH_MEMORY_ENV = "LOCALCHAT_BATCH_MEMORY"  # bytes of K/V the running turns may hold
+
+
+# -- one batched step ---------------------------------------------------------------------------
+
+
+class SplitKV:
+    """Keys (or values) of several rows, each its own array: what ``SplitCache`` returns."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+
+class SplitMask:
+    """One attention mask per row (a row's own cache made it)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+
+def split_layer(caches: list):
+    """One layer's caches of several turns as one batch cache: ``SplitArrays`` for recurrent
+    state (``ArraysCache``), else ``SplitCache``."""
+    if hasattr(caches[0], "cache") and hasattr(caches[0], "advance") and \
+            not hasattr(caches[0], "offset"):
+        return SplitArrays(caches)
+    return SplitCache(caches)
+
+
+class SplitArrays:
+    """Recurrent state (conv, SSM) of several turns: read as one array along the batch axis,
+    written back row by row. The recurrence of each row depends on that row alone."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+        if any(c.lengths is not None or c.left_padding is not None for c in caches):
+            raise ValueError("a padded recurrent state")  # (made by batch caches only)
+
+    lengths = None
+    left_padding = None
+
+    def __getitem__(self, i: int):
+        import mlx.core as mx
+
+        parts = [c[i] for c in self.caches]
+        if all(p is None for p in parts):
+            return None
+        if any(p is None for p in parts):
+            raise ValueError("recurrent state set for some rows only")
+        return mx.concatenate(parts, axis=0)
+
+    def __setitem__(self, i: int, value) -> None:
+        for j, c in enumerate(self.caches):
+            c[i] = value[j:j + 1]
+
+    def advance(self, n: int) -> None:
+        for c in self.caches:
+            c.advance(n)
+
+    def make_mask(self, n: int, **kw):
+        masks = [c.make_mask(n, **kw) for c in self.caches]
+        if any(m is not None for m in masks):
+            raise ValueError("a recurrent state's mask")
+        return None
+
+
+class SplitCache:
+    """One layer's caches of several turns, seen by the model as one batch cache."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+
+    def __getitem__(self, i: int):  # a CacheList's parts
+        return split_layer([c[i] for c in self.caches])
+
+    @property
+    def keys(self):
+        # Read only to order evaluation (``mx.depends`` in qwen3_next): the first row stands
+        # for the batch.
+        return self.caches[0].keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.caches[0].keys = value
+
+    @property
+    def offset(self):
+        import mlx.core as mx
+
+        return mx.array([c.offset for c in self.caches])
+
+    def update_and_fetch(self, keys, values):
+        ks, vs = [], []
+        for i, c in enumerate(self.caches):
+            k, v = c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+            ks.append(k)
+            vs.append(v)
+        return SplitKV(ks), SplitKV(vs)
+
+    def make_mask(self, n: int, **kw):
+        from mlx_lm.models.base import create_attention_mask
+
+        masks = [c.make_mask(n, **kw) if hasattr(c, "make_mask") else
+                 create_attention_mask_rows(create_attention_mask, n, **kw) for c in self.caches]
+        return None if all(m is None for m in masks) else SplitMask(masks)
+
+
+def create_attention_mask_rows(make, n: int, **kw):
+    """What ``create_attention_mask`` gives a cache without ``make_mask`` (one row)."""
+    import mlx.core as mx
+
+    return make(mx.zeros((1, n)), None, **kw)
+
+
+_installed: list = []
+
+
+def install_split_attention() -> None:
+    """Wrap the attention every model reaches (``mx.fast.scaled_dot_product_attention``, or
+    localchat's CPU one in its place): ``SplitKV`` keys run row by row. Once per process."""
+    import mlx.core as mx
+
+    if _installed:
+        return
+    inner = mx.fast.scaled_dot_product_attention
+
+    def attention(queries, keys, values, *args, mask=None, **kw):
+        if not isinstance(keys, SplitKV):
+            return inner(queries, keys, values, *args, mask=mask, **kw)
+        rows = []
+        for i, (k, v) in enumerate(zip(keys.parts, values.parts)):
+            m = mask.parts[i] if isinstance(mask, SplitMask) else mask
+            rows.append(inner(queries[i:i + 1], k, v, *args, mask=m, **kw))
+        return mx.concatenate(rows, axis=0)
+
+    mx.fast.scaled_dot_product_attention = attention
+    _installed.append(inner)
+
+
+def run_steps(model, steps: list[Step]) -> None:
+    """One model call for every ``Step``; each gets its row's last logits. A single step runs
+    exactly as a lone turn's (its own cache, no split)."""
+    import mlx.core as mx
+
+    if len(steps) == 1:
+        s = steps[0]
+        s.logits = model(s.token[:, None], cache=s.cache)[:, -1, :]
+        return
+    tokens = mx.concatenate([s.token for s in steps])[:, None]
+    split = [split_layer([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
+    logits = model(tokens, cache=split)[:, -1, :]
+    for i, s in enumerate(steps):
+        s.logits = logits[i:i + 1]
+
+
+def batch_refusal(engine) -> str:
+    """Why this model's turns cannot be batched ("" when they can): a cache kind that does
+    not split by row, or one batched step of two short sequences that does not match their
+    lone steps (logits within 1e-3: batched matmuls round differently, a wrong row does not)."""
+    import mlx.core as mx
+
+    install_split_attention()
+    prompts = [[3 + i for i in range(5)], [1 + 5 * i for i in range(9)]]  # ids every vocab has
+    try:
+        caches, alone, steps = [], [], []
+        for p in prompts:
+            c = engine.new_cache()
+            engine.model(mx.array(p)[None], cache=c)
+            caches.append(c)
+        nxt = mx.array([1])
+        for p in prompts:
+            c = engine.new_cache()
+            engine.model(mx.array(p)[None], cache=c)
+            alone.append(engine.model(nxt[:, None], cache=c)[:, -1, :])
+        steps = [Step(nxt, c) for c in caches]
+        run_steps(engine.model, steps)
+        mx.eval(alone, [s.logits for s in steps])
+        for a, s in zip(alone, steps):
+            if s.logits.shape != a.shape or not mx.allclose(s.logits, a, atol=1e-3).item():
+                return "a batched step does not match its lone steps"
+    except Exception as err:  # noqa: BLE001 - any failure of the trial means "run alone"
+        return f"a batched step failed ({type(err).__name__}: {str(err)[:80]})"
+    return ""
+
+
+# -- the scheduler ----------------------------------------------------------------------------
+
+
+def batch_memory() -> int:
+    """The K/V bytes running turns may hold together: ``LOCALCHAT_BATCH_MEMORY`` (``4G``), else
+    a quarter of the machine's memory (the model's weights and the OS need the rest)."""
+    from .kvcache.budget import parse_size
+
+    text = os.environ.get(BATCH_MEMORY_ENV, "").strip()
+    if text:
+        return parse_size(text)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+    except (ValueError, OSError):  # (no sysconf names: a platform without them)
+        return 8 * 2**30
+
+
+@dataclass
+class Work:
+    """A job the scheduler runs: ``start(session)`` returns a turn's event generator (driven
+    here; each event goes to ``emit``) or None when it did its work at once (a quick call).
+    ``cost``: an upper bound of the K/V bytes its turn holds, for the memory budget."""
+
+    start: Callable
+    emit: Callable
+    cancelled: Callable[[], bool] = lambda: False
+    cost: int = 0
+    done: Callable = lambda: None  # told once the job's events have ended
+
+
+@dataclass
+class _Turn:
+    work: Work
+    events: Iterator
+    step: Step | None = None  # the decode step it waits for
+    locked: bool = False  # waits for a conversation's lock (held by another turn here?)
+    started: bool = False
+
+
+@dataclass
+class Scheduler:
+    """Runs ``Work`` on the calling thread (the model thread), ``max_batch`` turns at once."""
+
+    session: object
+    max_batch: int = 4
+    memory: int = 0  # K/V bytes the running turns may hold together (0: no bound)
+    log: Callable[[str], None] = lambda line: None
+    queued: collections.deque = field(default_factory=collections.deque)
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+    running: list = field(default_factory=list)
+    refusal: str | None = None  # why turns run alone ("" once checked and batchable)
+    steps: int = 0  # decode steps run, and the rows they held (rows / steps: mean batch)
+    rows: int = 0
+    widest: int = 0
+    _next: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.memory:
+            self.memory = batch_memory()
+
+    @property
+    def width(self) -> int:
+        """How many turns may run at once: ``max_batch``, or 1 for a model that cannot batch."""
+        if self.max_batch < 2:
+            return 1
+        if self.refusal is None:
+            self.refusal = batch_refusal(self.session.engine)
+            if self.refusal:
+                self.log(f"localchat: turns of this model run one at a time ({self.refusal})")
+        return 1 if self.refusal else self.max_batch
+
+    def serve_forever(self) -> None:
+        """Run queued jobs, for ever (the server's daemon thread)."""
+        self.session.stepped = True
+        while True:
+            self.admit(block=not self.running)
+            try:
+                self.round()
+            except Exception as err:  # noqa: BLE001 - a bug: its turns answer it, serving goes on
+                for t in list(self.running):
+                    self._retire(t, err)
+
+    def run_all(self, works: list[Work]) -> None:
+        """Run ``works`` to their end (``batch --parallel``), in order of admission."""
+        for w in works:
+            self.put(w)
+        self.session.stepped = True
+        try:
+            while self.running or self.queued:
+                self.admit(block=False)
+                self.round()
+        finally:
+            self.session.stepped = False
+
+    # -- admission
+
+    def put(self, work: Work) -> None:
+        """Queue ``work`` (from any thread)."""
+        with self.arrived:
+            self.queued.append(work)
+            self.arrived.notify()
+
+    def admit(self, block: bool) -> None:
+        """Start waiting jobs, oldest first, while there is room: ``width`` turns, and K/V
+        within ``memory`` (a job that would pass it waits; alone, a job runs whatever it
+        costs, as it always could). ``block``: wait for one when none runs."""
+        while len(self.running) < self.width:
+            with self.arrived:
+                while not self.queued and block and not self.running:
+                    # No timeout: a daemon thread woken while the interpreter exits aborts it.
+                    self.arrived.wait()
+                if not self.queued:
+                    return
+                work = self.queued[0]
+                held = sum(t.work.cost for t in self.running)
+                if self.running and self.memory and held + work.cost > self.memory:
+                    return
+                self.queued.popleft()
+            self._start(work)
+
+    def _start(self, work: Work) -> None:
+        if work.cancelled():
+            work.done()
+            return
+        try:
+            events = work.start(self.session)
+        except BaseException as err:  # noqa: BLE001 - the job's owner answers it
+            work.emit(err)
+            work.done()
+            return
+        if events is None:
+            work.done()
+            return
+        self.running.append(_Turn(work, events))
+
+    # -- one round: one turn advanced through its resume or a prefill chunk, one batch step
+
+    def round(self) -> None:
+        if not self.running:
+            return
+        others = [t for t in self.running if t.step is None and not t.locked]
+        if others:
+            # Round robin over the turns that are not decoding: one yield point each round.
+            self._next %= len(others)
+            turn = others[self._next]
+            self._next += 1
+            self._advance(turn)
+        elif all(t.locked for t in self.running):
+            # Each waits for a conversation's lock and no other turn here holds one now.
+            self._advance(self.running[0], unlock=True)
+        stepping = [t for t in self.running if t.step is not None]
+        if not stepping:
+            return
+        model = self.session.engine.model
+        try:
+            run_steps(model, [t.step for t in stepping])
+        except Exception:  # noqa: BLE001 - tried again one by one: only a failing turn fails
+            for t in list(stepping):
+                try:
+                    run_steps(model, [t.step])
+                except Exception as err:  # noqa: BLE001 - its owner answers it
+                    stepping.remove(t)
+                    self._retire(t, err)
+        self.steps, self.rows = self.steps + 1, self.rows + len(stepping)
+        self.widest = max(self.widest, len(stepping))
+        for t in stepping:
+            t.step = None
+            self._advance(t)
+
+    def _retire(self, turn: _Turn, err: BaseException) -> None:
+        """End ``turn`` with ``err`` (closed: it keeps its partial reply and the cache of what
+        was fed, as a lone turn stopped there)."""
+        try:
+            turn.events.close()
+        except Exception:  # noqa: BLE001 - already failing: the first error is the answer
+            pass
+        turn.work.emit(err)
+        if turn in self.running:
+            self.running.remove(turn)
+        turn.work.done()
+
+    def _advance(self, turn: _Turn, unlock: bool = False) -> None:
+        """Run ``turn`` to its next yield point: a Step (it then waits for the batch), a
+        prefill chunk, a lock to wait for, or its end. Its other events go to its owner."""
+        if unlock:
+            turn.locked = False
+        try:
+            while True:
+                ev = next(turn.events)
+                if isinstance(ev, Step):
+                    turn.step = ev
+                    return
+                if isinstance(ev, Notice) and ev.waiting:
+                    turn.work.emit(ev)
+                    # The lock may be another turn's here: go on once this is the only one.
+                    turn.locked = len(self.running) > 1
+                    if turn.locked:
+                        return
+                    continue
+                turn.work.emit(ev)
+                if isinstance(ev, PrefillProgress):
+                    return
+        except StopIteration:
+            pass
+        except BaseException as err:  # noqa: BLE001 - the job's owner answers it
+            turn.work.emit(err)
+        self.running.remove(turn)
+        turn.work.done()
