@@ -310,7 +310,7 @@ class Session:
         try:
             try:
                 yield from generate(self.engine, new_tokens, start, max_tokens, options,
-                                                    cancel, run)
+                                    cancel, run, tokens[:start.pos])
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -415,7 +415,7 @@ class Session:
         start = self.cache.agree(Start(cache, k, snaps))  # every rank at the same token
         run = Run()
         yield from generate(self.engine, tokens[start.pos:], start, max_tokens, options,
-                                            cancel or Cancel(), run)
+                            cancel or Cancel(), run, tokens[:start.pos])
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"
