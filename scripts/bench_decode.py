@@ -30,6 +30,73 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
+# Prompt lookup (localchat/speculative.py): a copy-heavy task, a 60-line function to give back
+# with one name changed, and a free-form one.
+FUNCTION = """def summarize_orders(orders, customers, tax_rate=0.2, currency="EUR"):
+    \"\"\"Group orders by customer and return one summary row per customer.\"\"\"
+    by_customer = {}
+    for order in orders:
+        customer_id = order["customer_id"]
+        if customer_id not in customers:
+            continue
+        rows = by_customer.setdefault(customer_id, [])
+        rows.append(order)
+    summaries = []
+    for customer_id, rows in sorted(by_customer.items()):
+        customer = customers[customer_id]
+        subtotal = 0.0
+        items = 0
+        largest = None
+        for order in rows:
+            amount = order["quantity"] * order["unit_price"]
+            subtotal += amount
+            items += order["quantity"]
+            if largest is None or amount > largest["amount"]:
+                largest = {"order_id": order["id"], "amount": amount}
+        discount = 0.0
+        if items >= 100:
+            discount = subtotal * 0.1
+        elif items >= 50:
+            discount = subtotal * 0.05
+        taxed = (subtotal - discount) * (1 + tax_rate)
+        first = min(order["date"] for order in rows)
+        last = max(order["date"] for order in rows)
+        days = (last - first).days + 1
+        per_day = taxed / days if days else taxed
+        status = "active"
+        if days > 365:
+            status = "loyal"
+        if taxed > 10000:
+            status = "premium"
+        summary = {
+            "customer_id": customer_id,
+            "name": customer["name"],
+            "country": customer.get("country", "unknown"),
+            "orders": len(rows),
+            "items": items,
+            "subtotal": round(subtotal, 2),
+            "discount": round(discount, 2),
+            "total": round(taxed, 2),
+            "currency": currency,
+            "per_day": round(per_day, 2),
+            "largest_order": largest,
+            "first_order": first.isoformat(),
+            "last_order": last.isoformat(),
+            "status": status,
+        }
+        summaries.append(summary)
+    summaries.sort(key=lambda row: row["total"], reverse=True)
+    for rank, summary in enumerate(summaries, start=1):
+        summary["rank"] = rank
+    total = sum(row["total"] for row in summaries)
+    for summary in summaries:
+        summary["share"] = round(summary["total"] / total, 4) if total else 0.0
+    return summaries
+"""
+COPY_TASK = ("Rename the function summarize_orders to summarize_purchases. Reply with the whole "
+             "function, unchanged otherwise.\n\n```python\n" + FUNCTION + "```")
+FREE_TASK = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
 
 def measure(model: str | None, trials: int, tokens: int, words: int, history: int = 0
             ) -> dict:

@@ -201,3 +201,101 @@ def test_next_turn_resumed_from_disk_equals_a_full_prefill(home, store, built, f
                                                    speculate="off")))[-1]
         assert got.tokens == ref.tokens
     assert got.usage.cached_tokens > 0
+
+
+# -- sampled turns: the acceptance rule keeps the distribution ------------------------------
+
+
+def chi_square_ok(counts: dict, probs: dict, n: int) -> bool:
+    """Whether ``counts`` (n draws) fit ``probs`` at p = 0.001: bins of expected count >= 5,
+    the rest pooled (Wilson-Hilferty approximation of the chi-square quantile)."""
+    bins = [t for t in probs if probs[t] * n >= 5]
+    pooled_p = 1.0 - sum(probs[t] for t in bins)
+    pooled_c = n - sum(counts.get(t, 0) for t in bins)
+    stat = sum((counts.get(t, 0) - probs[t] * n) ** 2 / (probs[t] * n) for t in bins)
+    df = len(bins) - 1
+    if pooled_p * n >= 5:
+        stat += (pooled_c - pooled_p * n) ** 2 / (pooled_p * n)
+        df += 1
+    elif pooled_c > 10:
+        return False
+    assert df >= 1, "too few draws for this distribution"
+    crit = df * (1 - 2 / (9 * df) + 3.09 * (2 / (9 * df)) ** 0.5) ** 3
+    return stat < crit
+
+
+def emitted(picker, logits, draft, n: int, seed: int = 0) -> tuple[dict, dict]:
+    """Counts of the first token a verify pass gives, and of the second where the first was
+    the draft's: each must follow the model's distribution at its row."""
+    import mlx.core as mx
+
+    mx.random.seed(seed)
+    first, second = {}, {}
+    for _ in range(n):
+        a, nxt = picker.verify(logits, draft)
+        toks = [*draft[:a], nxt]
+        first[toks[0]] = first.get(toks[0], 0) + 1
+        if toks[0] == draft[0] and len(toks) > 1:
+            second[toks[1]] = second.get(toks[1], 0) + 1
+    return first, second
+
+
+def sharp_rows(engine, draft):
+    """The tiny model's logits after a prompt and ``draft``, scaled so a handful of tokens
+    carry most of the mass (bins the chi-square can test)."""
+    import mlx.core as mx
+
+    cache = engine.new_cache()
+    tokens = engine.encode(FREE)
+    yield_logits(engine, tokens[:-1], cache)
+    return engine.model(mx.array([[tokens[-1], *draft]]), cache=cache)[0] * 4.0
+
+
+def test_the_acceptance_rule_keeps_the_distribution(engine):
+    import mlx.core as mx
+
+    picker = speculative.Picker(1.0, 1.0)
+    probe = sharp_rows(engine, [])
+    p0 = mx.softmax(probe[0]).tolist()
+    ranked = sorted(range(len(p0)), key=lambda t: -p0[t])
+    # A draft whose first token is likely (often accepted) and one that is a long shot.
+    for x0 in (ranked[0], ranked[2]):
+        logits = sharp_rows(engine, [x0, 11])
+        p = [dict(enumerate(mx.softmax(row).tolist())) for row in logits[:2]]
+        n = 3000
+        first, second = emitted(picker, logits, [x0, 11], n)
+        assert chi_square_ok(first, p[0], n), (x0, first)
+        assert 0 < first[x0] < n  # both branches ran
+        if x0 == ranked[0]:  # accepted often enough to test what follows it
+            assert chi_square_ok(second, p[1], first[x0])
+
+
+def test_a_wrong_acceptance_rule_fails_the_same_check(engine):
+    """Negative controls: always accepting, or resampling from p itself (x not removed)."""
+    import mlx.core as mx
+
+    class AlwaysAccept(speculative.Picker):
+        def verify(self, logits, draft):
+            return len(draft), int(self.sample(logits[-1:]).item())
+
+    class KeepsX(speculative.Picker):
+        def verify(self, logits, draft):
+            a, _ = super().verify(logits, draft)
+            return a, int(self.sample(logits[a:a + 1]).item())
+
+    probe = sharp_rows(engine, [])
+    p0 = mx.softmax(probe[0]).tolist()
+    x0 = sorted(range(len(p0)), key=lambda t: -p0[t])[0]
+    logits = sharp_rows(engine, [x0, 11])
+    p = dict(enumerate(mx.softmax(logits[0]).tolist()))
+    for wrong in (AlwaysAccept(1.0, 1.0), KeepsX(1.0, 1.0)):
+        first, _ = emitted(wrong, logits, [x0, 11], 3000)
+        assert not chi_square_ok(first, p, 3000), type(wrong).__name__
+
+
+def test_sampled_turns_speculate_and_stay_reproducible(engine, monkeypatch):
+    plain, _, tokens = decode_run(engine, COPY, "off")
+    monkeypatch.setattr(speculative, "NgramIndex", oracle(plain.generated, len(tokens)))
+    a, _, _ = decode_run(engine, COPY, "lookup", temp=0.7, seed=3)
+    b, _, _ = decode_run(engine, COPY, "lookup", temp=0.7, seed=3)
+    assert a.lookup.drafted > 0 and a.generated == b.generated
