@@ -46,6 +46,7 @@ class BatchOptions:
     kv_bits: int | None = None  # KV setting for the conversations of `conversation` lines
     kv_group: int | None = None
     thinking: bool | None = None  # a reasoning model thinks (--thinking; None: as its template)
+    speculate: str = "lookup"  # prompt-lookup decoding of lone lines (--speculate off|lookup)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
 
 def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) -> BatchResult:
     turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp,
-                       thinking=options.thinking)
+                       thinking=options.thinking, speculate=options.speculate)
     try:
         if job.conversation is not None:
             conv = session.store.get(job.conversation)

@@ -32,6 +32,7 @@ from .cli_data import (
 from .cli_session import (
     add_cluster_flags,
     add_kv_flags,
+    add_speculate_flag,
     add_thinking_flag,
     session_for,
     start_cluster,
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-c", "--conversation", metavar="NAME")
     c.add_argument("-m", "--model", metavar="MODEL")
     add_kv_flags(c)
+    add_speculate_flag(c)
     add_cluster_flags(c)
 
     a = add("ask", cmd_ask)
@@ -106,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
     add_thinking_flag(a)
+    add_speculate_flag(a)
     a.add_argument("--show-thinking", action="store_true",
                    help="print a reasoning model's thinking before its answer")
     add_kv_flags(a)
@@ -130,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
     add_thinking_flag(b)
+    add_speculate_flag(b)
     add_cluster_flags(b)
 
     ls = add("list", cmd_list)
@@ -174,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "LOCALCHAT_API_KEY, which keeps it off the command line)")
     sv.add_argument("--queue", type=int, default=16, metavar="N",
                     help="requests that may wait while one runs (more get 429)")
+    add_speculate_flag(sv)
     return p
 
 
@@ -249,7 +254,7 @@ def cmd_ask(args) -> int:
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
-                          no_cache=args.no_cache)
+                          no_cache=args.no_cache, speculate=args.speculate)
     cancel = Cancel()
     if args.regenerate:
         events = session.regenerate(conv, options, cancel)
@@ -328,7 +333,8 @@ def cmd_chat(args) -> int:
         group = start_cluster(args, model)
     return run_app(conversation=getattr(args, "conversation", None),
                    model=model, kv_bits=getattr(args, "kv_bits", None),
-                   kv_group=getattr(args, "kv_group_size", None), group=group)
+                   kv_group=getattr(args, "kv_group_size", None), group=group,
+                   speculate=getattr(args, "speculate", "lookup"))
 
 
 def cmd_batch(args) -> int:
@@ -339,6 +345,7 @@ def cmd_batch(args) -> int:
     from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
+                           speculate=args.speculate,
                            kv_bits=args.kv_bits, kv_group=args.kv_group_size)
     if options.parallel < 1:
         raise BadInput("--parallel must be at least 1")

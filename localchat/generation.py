@@ -36,7 +36,8 @@ class TurnOptions:
     stop: tuple[str, ...] = ()  # the reply ends before the first of these strings
     tools: tuple[dict, ...] = ()  # function tools the model may call (OpenAI's shape)
     thinking: bool | None = None  # a reasoning model thinks (None: the conversation's setting)
-    speculate: str = "lookup"  # prompt-lookup decoding where it can run (``speculative``) | off
+    speculate: str | None = None  # "lookup" (where it can run: ``speculative``) or "off";
+    #                               None: the session's setting (lookup unless told)
 
 
 class Cancel:

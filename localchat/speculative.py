@@ -213,7 +213,7 @@ def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
 def can_speculate(engine, options) -> bool:
     """Whether a turn may decode with lookup: asked for, an engine that can verify, and no
     sampling settings this module does not reproduce (a penalty or a top-k changes p)."""
-    if getattr(options, "speculate", "lookup") != "lookup" or not engine.can_verify():
+    if (options.speculate or "lookup") != "lookup" or not engine.can_verify():
         return False
     neutral = {"top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
                "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),

@@ -84,7 +84,7 @@ class LocalchatApp(Actions, App):
     def __init__(self, conversation: str | None = None, model: str | None = None,
                  load_engine: EngineLoader | None = None, max_tokens: int = 1024,
                  kv_bits: int | None = None, kv_group: int | None = None,
-                 draft_prefill: bool | None = None, group=None):
+                 draft_prefill: bool | None = None, group=None, speculate: str = "lookup"):
         super().__init__()
         self.group = group  # a cluster.Ring: the model is split over ranks (``--hosts``)
         self.lost: str | None = None  # why the cluster ended the app
@@ -93,6 +93,7 @@ class LocalchatApp(Actions, App):
         self.want_model = model
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
         self.max_tokens = max_tokens
+        self.speculate = speculate  # --speculate: prompt-lookup decoding (``speculative``)
         self.store: Store | None = None
         self.session: Session | None = None  # used only on the worker thread
         self.current: Conversation | None = None
@@ -333,7 +334,7 @@ class LocalchatApp(Actions, App):
     def _run_turn(self, conv: Conversation, prompt: str | None, kind: str,
                   cancel: Cancel) -> None:
         session = self.session
-        options = TurnOptions(max_tokens=self.max_tokens)
+        options = TurnOptions(max_tokens=self.max_tokens, speculate=self.speculate)
         try:
             if kind == "regenerate":
                 events = session.regenerate(conv, options, cancel)

@@ -12,9 +12,10 @@ from .app import LocalchatApp
 
 
 def run_app(conversation: str | None = None, model: str | None = None,
-            kv_bits: int | None = None, kv_group: int | None = None, group=None) -> int:
+            kv_bits: int | None = None, kv_group: int | None = None, group=None,
+            speculate: str = "lookup") -> int:
     app = LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
-                       kv_group=kv_group, group=group)
+                       kv_group=kv_group, group=group, speculate=speculate)
     if group is not None:
         import threading
 
