@@ -71,7 +71,7 @@ LAYERS = {
                           "localchat.kvcache", "localchat.kvcache.*", "localchat.cpu",
                           "localchat.cpu.*", "localchat.cluster", "localchat.cluster.group",
                           "localchat.cluster.control", "localchat.cluster.split"],
-    "engine": ["localchat.engine"],
+    "engine": ["localchat.engine", "localchat.speculative"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
                 "localchat.replies", "localchat.cachereport"],
