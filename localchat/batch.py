@@ -47,6 +47,7 @@ class BatchOptions:
     kv_group: int | None = None
     thinking: bool | None = None  # a reasoning model thinks (--thinking; None: as its template)
     context_overflow: str | None = None  # for `conversation` lines (None: the conversation's)
+    speculate: str = "lookup"  # prompt-lookup decoding of lone lines (--speculate off|lookup)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
 
 def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) -> BatchResult:
     turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp,
-                       thinking=options.thinking)
+                       thinking=options.thinking, speculate=options.speculate)
     try:
         if job.conversation is not None:
             conv = session.store.get(job.conversation)

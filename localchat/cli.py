@@ -33,6 +33,7 @@ from .cli_data import (
 from .cli_session import (
     add_cluster_flags,
     add_kv_flags,
+    add_speculate_flag,
     add_thinking_flag,
     session_for,
     start_cluster,
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-m", "--model", metavar="MODEL")
     add_kv_flags(c)
     add_overflow_flag(c)
+    add_speculate_flag(c)
     add_cluster_flags(c)
 
     a = add("ask", cmd_ask)
@@ -109,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", action="store_true", help="print one JSON object")
     add_thinking_flag(a)
     add_overflow_flag(a)
+    add_speculate_flag(a)
     a.add_argument("--show-thinking", action="store_true",
                    help="print a reasoning model's thinking before its answer")
     add_kv_flags(a)
@@ -134,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
     add_thinking_flag(b)
+    add_speculate_flag(b)
     add_cluster_flags(b)
 
     ls = add("list", cmd_list)
@@ -184,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a request longer than the context: stop (default: 400 "
                     "context_length_exceeded, as the APIs do) or truncate (the oldest turns "
                     "are left out)")
+    add_speculate_flag(sv)
     return p
 
 
@@ -267,7 +272,7 @@ def cmd_ask(args) -> int:
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
-                          no_cache=args.no_cache)
+                          no_cache=args.no_cache, speculate=args.speculate)
     cancel = Cancel()
     if args.regenerate:
         events = session.regenerate(conv, options, cancel)
@@ -347,7 +352,8 @@ def cmd_chat(args) -> int:
     return run_app(conversation=getattr(args, "conversation", None),
                    model=model, kv_bits=getattr(args, "kv_bits", None),
                    kv_group=getattr(args, "kv_group_size", None), group=group,
-                   context_overflow=getattr(args, "context_overflow", None))
+                   context_overflow=getattr(args, "context_overflow", None),
+                   speculate=getattr(args, "speculate", "lookup"))
 
 
 def cmd_batch(args) -> int:
@@ -358,6 +364,7 @@ def cmd_batch(args) -> int:
     from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
+                           speculate=args.speculate,
                            kv_bits=args.kv_bits, kv_group=args.kv_group_size,
                            context_overflow=args.context_overflow)
     if options.parallel < 1:

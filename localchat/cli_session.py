@@ -21,6 +21,13 @@ def add_kv_flags(p: argparse.ArgumentParser, which: str = "for the conversation"
                    metavar="{32,64,128}", help="quantization group (default: from head dim)")
 
 
+def add_speculate_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", choices=["off", "lookup"], default="lookup",
+                   help="prompt-lookup decoding: draft the next tokens from the conversation "
+                        "and verify them at once (same text, faster where a reply repeats "
+                        "it); default lookup")
+
+
 def add_thinking_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--thinking", choices=["on", "off"], default=None,
                    help="whether a reasoning model thinks first (the template's switch; "

@@ -387,6 +387,14 @@ class Engine:
         mx.eval(logits)
         return logits
 
+    def can_verify(self) -> bool:
+        """Whether speculative decoding (``speculative.py``) may stand in for ``decode``: this
+        class's own ``decode`` (an engine that scripts its tokens overrides it and opts out),
+        one rank (a split model's ranks would have to agree on every draft: it decodes plain),
+        and only cache classes localchat knows how to cut back."""
+        return (type(self).decode is Engine.decode and self.group.size == 1
+                and not self.info().unknown)
+
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
         top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,

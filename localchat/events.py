@@ -87,13 +87,16 @@ class Usage:
     checkpoints: bool = False  # the model has bounded layers: resumes from checkpoints
     draft_tokens: int = 0  # of cached_tokens: the message's, prefilled before it was sent
     reasoning_tokens: int = 0  # of completion_tokens: the model's reasoning
+    lookup_drafted: int = 0  # prompt-lookup draft tokens verified (``speculative.py``)
+    lookup_accepted: int = 0  # of those, the ones the model agreed with (in the reply)
 
     @classmethod
     def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
            t0: float, t_first: float, t_last: float, prefill_s: float, context_tokens: int,
            context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
            miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0,
-           reasoning_tokens: int = 0) -> Usage:
+           reasoning_tokens: int = 0, lookup_drafted: int = 0,
+           lookup_accepted: int = 0) -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
@@ -119,6 +122,8 @@ class Usage:
             checkpoints=checkpoints,
             draft_tokens=draft_tokens,
             reasoning_tokens=reasoning_tokens,
+            lookup_drafted=lookup_drafted,
+            lookup_accepted=lookup_accepted,
         )
 
     @property
@@ -139,6 +144,8 @@ class Usage:
             "bytes_written": self.bytes_written,
             "miss_reason": self.miss_reason,
             **({"reasoning_tokens": self.reasoning_tokens} if self.reasoning_tokens else {}),
+            **({"lookup_drafted": self.lookup_drafted, "lookup_accepted": self.lookup_accepted}
+               if self.lookup_drafted else {}),
         }
 
 

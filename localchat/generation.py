@@ -13,9 +13,10 @@ What it is not: where the cache comes from or goes (``turncache.py``) or the con
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+from . import speculative
 from .engine import Engine, now
 from .events import Event, PrefillProgress, ReasoningChunk, ReplyChunk, Usage
 from .kvcache import kinds as ck
@@ -47,6 +48,8 @@ class TurnOptions:
                   "repetition_penalty": self.repetition_penalty}
         off = {"top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
         return {k: v for k, v in extras.items() if v != off[k]}
+    speculate: str | None = None  # "lookup" (where it can run: ``speculative``) or "off";
+    #                               None: the session's setting (lookup unless told)
 
 
 class Cancel:
@@ -83,12 +86,16 @@ class Run:
     reasoning_tokens: int = 0  # of ``generated``: those that were reasoning
     thinking_s: float = 0.0  # from the first token to the end of the reasoning
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
+    lookup: speculative.LookupStats = field(default_factory=speculative.LookupStats)
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
-             options: TurnOptions, cancel: Cancel, run: Run, stepped: bool = False
-             ) -> Iterator[Event]:
+             options: TurnOptions, cancel: Cancel, run: Run,
+             prior: Sequence[int] = (), stepped: bool = False) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
+
+    ``prior``: the tokens before ``new_tokens`` that the cache holds (the conversation so far),
+    where prompt lookup (``speculative.py``) looks for drafts besides the new ones.
 
     Models with bounded layers get a checkpoint one token before the reply (the end of
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
@@ -138,47 +145,55 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     text = Streamed(options.stop)  # the answer, cut at a stop string
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
-    # Passed only when set: an engine that is never batched (a test's fake) has no such flag.
-    steps = {"stepped": True} if stepped else {}
-    for tok in engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, **options.sampling_extras(), **steps):
-        if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
-            yield tok
-            continue
-        if run.t_first is None:
-            run.t_first = now()
-        run.generated.append(tok)
-        # engine.decode has fed every token it yielded, except an EOS and the last
-        # allowed one (fed when the loop reads on: see the else below).
-        final = tok in engine.eos_ids or len(run.generated) >= max_tokens
-        run.fed = start.pos + len(new_tokens) + len(run.generated) - final
-        run.t_last = now()
-        if tok in engine.eos_ids:
-            break
-        was_inside = thought.inside
-        if tok not in engine.hidden_ids:  # a control token (<|im_start|>…) is fed, not text
-            detok.add_token(tok)
-        reasoning, said = thought.add(detok.last_segment)
-        run.reasoning_tokens += was_inside or thought.inside  # (its markers count)
-        if was_inside or thought.inside:
-            run.thinking_s = now() - run.t_first
-        piece = text.add(said)
-        run.reasoning += reasoning
-        run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)
-        if reasoning:
-            yield ReasoningChunk(reasoning)
-        if piece:
-            yield ReplyChunk(piece)
-        if text.stop is not None:
-            run.finish, run.stop_sequence = "stop_sequence", text.stop
-            break
-        if stop():
-            run.stopped, run.finish = True, "cancelled"
-            break
+    if stepped:  # a scheduler runs the steps, batched with other turns': plain decode
+        steps = engine.decode(cache, logits, max_tokens, options.temp, options.seed,
+                              options.top_p, **options.sampling_extras(), stepped=True)
     else:
-        if run.generated and len(run.generated) >= max_tokens:
-            run.fed += 1
-            run.finish = "length"
+        # Prompt lookup (``speculative.py``) or plain. Closed in ``finally`` so that a reply
+        # cut short leaves the cache holding exactly the tokens taken, no drafts past them.
+        steps = speculative.decode(engine, cache, logits, max_tokens, options,
+                                   [*prior, *new_tokens], run.lookup)
+    try:
+        for tok in steps:
+            if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
+                yield tok
+                continue
+            if run.t_first is None:
+                run.t_first = now()
+            run.generated.append(tok)
+            # engine.decode has fed every token it yielded, except an EOS and the last
+            # allowed one (fed when the loop reads on: see the else below).
+            final = tok in engine.eos_ids or len(run.generated) >= max_tokens
+            run.fed = start.pos + len(new_tokens) + len(run.generated) - final
+            run.t_last = now()
+            if tok in engine.eos_ids:
+                break
+            was_inside = thought.inside
+            if tok not in engine.hidden_ids:  # a control token (<|im_start|>…) is fed, not text
+                detok.add_token(tok)
+            reasoning, said = thought.add(detok.last_segment)
+            run.reasoning_tokens += was_inside or thought.inside  # (its markers count)
+            if was_inside or thought.inside:
+                run.thinking_s = now() - run.t_first
+            piece = text.add(said)
+            run.reasoning += reasoning
+            run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)
+            if reasoning:
+                yield ReasoningChunk(reasoning)
+            if piece:
+                yield ReplyChunk(piece)
+            if text.stop is not None:
+                run.finish, run.stop_sequence = "stop_sequence", text.stop
+                break
+            if stop():
+                run.stopped, run.finish = True, "cancelled"
+                break
+        else:
+            if run.generated and len(run.generated) >= max_tokens:
+                run.fed += 1
+                run.finish = "length"
+    finally:
+        steps.close()
     detok.finalize()
     reasoning, said = thought.add(detok.last_segment)
     held_reasoning, held_said = thought.end()
@@ -269,4 +284,5 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
         context_length=engine.info().context_length, cache_bytes=cache_bytes,
         bytes_written=written, miss_reason=reason,
         checkpoints=not engine.info().cut_anywhere, draft_tokens=draft,
-        reasoning_tokens=run.reasoning_tokens)
+        reasoning_tokens=run.reasoning_tokens, lookup_drafted=run.lookup.drafted,
+        lookup_accepted=run.lookup.accepted)

@@ -112,6 +112,14 @@ class Session:
         # True while a scheduler drives this session's turns (``scheduler.py``): their decode
         # steps come out as ``Step`` events, run in a batch with other turns'.
         self.stepped = False
+        # Prompt lookup for turns whose options leave it open (``--speculate`` of chat/serve).
+        self.speculate = "lookup"
+
+    def _speculating(self, options: TurnOptions) -> TurnOptions:
+        """``options`` with the session's ``--speculate`` where they leave it open."""
+        if options.speculate is not None:
+            return options
+        return dataclasses.replace(options, speculate=self.speculate)
 
     @property
     def kv_root(self) -> Path:
@@ -327,8 +335,9 @@ class Session:
         new_tokens = tokens[start.pos:]
         try:
             try:
-                yield from generate(self.engine, new_tokens, start, max_tokens, options,
-                                    cancel, run, self.stepped)
+                yield from generate(self.engine, new_tokens, start, max_tokens,
+                                    self._speculating(options), cancel, run, tokens[:start.pos],
+                                    self.stepped)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -432,8 +441,9 @@ class Session:
                     pass  # a damaged donor: prefill from zero
         start = self.cache.agree(Start(cache, k, snaps))  # every rank at the same token
         run = Run()
-        yield from generate(self.engine, tokens[start.pos:], start, max_tokens, options,
-                            cancel or Cancel(), run, self.stepped)
+        yield from generate(self.engine, tokens[start.pos:], start, max_tokens,
+                            self._speculating(options), cancel or Cancel(), run,
+                            tokens[:start.pos], self.stepped)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"

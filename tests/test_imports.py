@@ -72,7 +72,7 @@ LAYERS = {
                           "localchat.cpu.*", "localchat.cluster", "localchat.cluster.group",
                           "localchat.cluster.control", "localchat.cluster.split",
                           "localchat.endtokens", "localchat.sampling", "localchat.window"],
-    "engine": ["localchat.engine"],
+    "engine": ["localchat.engine", "localchat.speculative"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
                 "localchat.replies", "localchat.cachereport", "localchat.scheduler"],

@@ -71,6 +71,9 @@ def _coldstart(r: dict) -> None:
 
 def _decode(r: dict) -> None:
     assert r["stock"] is not None and r["fast"]["model"] == r["model"]
+    look = r["lookup"]  # prompt lookup on and off, both tasks: the same replies
+    assert set(look) == {"copy", "free"} and all(t["same_text"] for t in look.values())
+    assert r["stock"]["lookup"] is None
 
 
 def _reasoning(r: dict) -> None:
@@ -130,7 +133,7 @@ CASES = {
                       _coldstart),
     "decode": Case({"fast", "stock", "decode_vs_mlxlm", "prefill_speedup_vs_stock",
                     "decode_speedup_vs_stock", "attention_prefill_speedup",
-                    "attention_decode_speedup"}, _decode),
+                    "attention_decode_speedup", "lookup"}, _decode),
     "draft": Case({"note_tokens", "ttft_one_word_s", "ttft_paste_wait_s", "ttft_paste_at_once_s",
                    "enter_to_screen_one_word_s", "draft_tokens", "paste_to_prefilled_s",
                    "key_ms_median_draft_on", "key_ms_median_draft_off"}),

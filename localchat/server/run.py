@@ -89,6 +89,7 @@ def cmd_serve(args) -> int:
         raise BadInput("--max-batch must be at least 1")
     key_for(args.host, args.api_key)  # before the model loads
     session = open_session(args.model, progress=say)
+    session.speculate = getattr(args, "speculate", "lookup")
     for text in session.start_notices():
         say(text)
     try:

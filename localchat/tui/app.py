@@ -85,7 +85,7 @@ class LocalchatApp(Actions, App):
                  load_engine: EngineLoader | None = None, max_tokens: int | None = None,
                  temp: float | None = None, context_overflow: str | None = None,
                  kv_bits: int | None = None, kv_group: int | None = None,
-                 draft_prefill: bool | None = None, group=None):
+                 draft_prefill: bool | None = None, group=None, speculate: str = "lookup"):
         super().__init__()
         self.group = group  # a cluster.Ring: the model is split over ranks (``--hosts``)
         self.lost: str | None = None  # why the cluster ended the app
@@ -96,6 +96,7 @@ class LocalchatApp(Actions, App):
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
         # None: the model's sampling defaults (``sampling.py``), its reply cap included.
         self.max_tokens, self.temp = max_tokens, temp
+        self.speculate = speculate  # --speculate: prompt-lookup decoding (``speculative``)
         self.store: Store | None = None
         self.session: Session | None = None  # used only on the worker thread
         self.current: Conversation | None = None
@@ -341,7 +342,7 @@ class LocalchatApp(Actions, App):
                   cancel: Cancel) -> None:
         session = self.session
         options = TurnOptions(**session.engine.sampling().turn_fields(
-            max_tokens=self.max_tokens, temp=self.temp))
+            max_tokens=self.max_tokens, temp=self.temp), speculate=self.speculate)
         try:
             if kind == "regenerate":
                 events = session.regenerate(conv, options, cancel)

@@ -13,9 +13,10 @@ from .app import LocalchatApp
 
 def run_app(conversation: str | None = None, model: str | None = None,
             kv_bits: int | None = None, kv_group: int | None = None, group=None,
-            context_overflow: str | None = None) -> int:
+            context_overflow: str | None = None, speculate: str = "lookup") -> int:
     app = LocalchatApp(conversation=conversation, model=model, kv_bits=kv_bits,
-                       kv_group=kv_group, group=group, context_overflow=context_overflow)
+                       kv_group=kv_group, group=group, context_overflow=context_overflow,
+                       speculate=speculate)
     if group is not None:
         import threading
 

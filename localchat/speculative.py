@@ -1,0 +1,306 @@
+"""Prompt-lookup speculative decoding: draft the next tokens from the context, verify them at once.
+
+What it is: ``decode`` — a drop-in for ``Engine.decode`` with the same contract (every yielded
+token is fed before the next one is yielded, an EOS is never fed, the last allowed token is fed
+only when the caller reads on, and a caller that stops reading finds the cache holding exactly
+the tokens it was given). At each step the last few tokens (an n-gram of 2-4) are looked up in
+the context (prompt + reply so far, ``NgramIndex``); where they occurred before, the tokens that
+followed are the draft. One forward pass over the pending token and the draft gives the model's
+choice after each of them (``speculative_step``): the longest agreeing prefix is kept, plus the
+model's own next token. Greedy turns produce exactly the plain decode's tokens; sampled turns
+use the speculative-sampling acceptance rule for a deterministic draft (accept draft token x
+with probability p(x); on rejection sample from p with x removed and renormalised), so the
+distribution is unchanged (Leviathan et al. 2023 with q = one-hot).
+
+Rejected draft tokens leave the cache as if never fed (``Mark`` / ``rewind``):
+- growing leaves (KVCache, MLA, QuantizedKVCache, the growing parts of a CacheList) are trimmed;
+- bounded leaves (RotatingKVCache, ChunkedKVCache, ArraysCache — recurrent state, sliding
+  windows) cannot be cut, so their small state is captured before verifying
+  (``kvcache.kinds.capture``); after a rejection it is restored, the growing leaves are cut back
+  to the same position, and the accepted tokens are fed again (one more forward pass, which is
+  why drafting backs off harder after misses on such models).
+
+What it is not: a draft model, batched speculation, or anything a model split over ranks runs
+(``Engine.can_verify`` is False there and for engines that script their tokens: they decode
+plain). Turns with sampling settings other than temperature and top-p decode plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from .kvcache import kinds as ck
+
+MIN_NGRAM = 2  # shortest suffix looked up (1 matches everywhere and is mostly wrong)
+MAX_NGRAM = 4  # longest suffix looked up; a longer match is found through its last 4 tokens
+MAX_DRAFT = 10  # most tokens verified at once (see ``Policy``; measured in scripts/bench_decode)
+START_DRAFT = 4
+
+
+@dataclass
+class LookupStats:
+    """Draft tokens proposed and accepted in one turn (``Usage.lookup_*``)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verify passes
+
+
+class NgramIndex:
+    """The context's n-grams (MIN_NGRAM..MAX_NGRAM long), each mapped to the position of the
+    token after its latest occurrence; extended as tokens come. Lookups cost O(MAX_NGRAM)."""
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens: list[int] = []
+        self.table: dict[tuple[int, ...], int] = {}
+        for t in tokens:
+            self.append(t)
+
+    def append(self, tok: int) -> None:
+        toks, end = self.tokens, len(self.tokens)
+        # The n-grams ending just before ``tok`` now have a continuation: ``tok``.
+        for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+            self.table[tuple(toks[end - n:end])] = end
+        toks.append(tok)
+
+    def draft(self, length: int, min_ngram: int = MIN_NGRAM,
+              stop: frozenset[int] | set[int] = frozenset()) -> list[int]:
+        """Up to ``length`` tokens that followed the longest recent match of the context's
+        suffix, cut before the first of ``stop`` (an EOS is never drafted: it is never fed)."""
+        toks = self.tokens
+        for n in range(min(MAX_NGRAM, len(toks)), min_ngram - 1, -1):
+            at = self.table.get(tuple(toks[-n:]))
+            if at is None:
+                continue
+            out = toks[at:at + length]
+            for i, t in enumerate(out):
+                if t in stop:
+                    return out[:i]
+            return out
+        return []
+
+
+class Policy:
+    """How long the next draft is. Doubles after a fully accepted draft (copying), falls to what
+    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for as
+    many steps as misses came in a row (free-form text then costs ~nothing; each miss costs a
+    slightly wider forward pass, and on bounded caches one more forward to re-feed)."""
+
+    def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT):
+        self.length, self.most = start, most
+        self.misses = 0
+        self.skip = 0
+
+    def want(self) -> int:
+        if self.skip:
+            self.skip -= 1
+            return 0
+        return self.length
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if accepted == drafted:
+            self.length = min(self.most, self.length * 2)
+            self.misses = 0
+        else:
+            self.length = max(1, accepted + 1)
+            self.misses = self.misses + 1 if accepted == 0 else 0
+            self.skip = self.misses
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What a cache held before a verify pass: ``pos`` tokens, and the bounded leaves' state
+    then (None when every leaf can be cut)."""
+
+    pos: int
+    snap: ck.Captured | None
+
+
+def mark(cache: list) -> Mark:
+    """Remember the cache's state before feeding draft tokens (copies only bounded state)."""
+    pos = ck.position(cache)
+    return Mark(pos, ck.capture(cache, pos) if ck.bounded(cache) else None)
+
+
+def rewind(model, cache: list, at: Mark, keep: Sequence[int]) -> None:
+    """Make ``cache`` hold what it held at ``at`` plus ``keep``, as if nothing else was fed.
+
+    Growing leaves are trimmed; bounded ones are restored from ``at.snap`` and ``keep`` is fed
+    again (with the growing leaves first cut back to ``at.pos``, so they take it once).
+    """
+    import mlx.core as mx
+
+    target = at.pos if at.snap is not None else at.pos + len(keep)
+    for _, obj in ck.leaves(cache):
+        if ck.kind_of(obj) != ck.BOUNDED and obj.offset > target:
+            obj.trim(obj.offset - target)
+    if at.snap is not None:
+        ck.restore(cache, at.snap)
+        if keep:
+            model(mx.array(list(keep))[None], cache=cache)
+        mx.eval(ck.state_arrays(cache))
+
+
+class Picker:
+    """The plain decode's sampler (``make_sampler``) and the verification of a draft against the
+    same distribution: argmax when greedy, else softmax(top_p(logits) / temp)."""
+
+    def __init__(self, temp: float, top_p: float, banned: Sequence[int] = ()):
+        from mlx_lm.sample_utils import make_sampler
+
+        self.temp, self.top_p = temp, top_p
+        self._sample = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0)
+        # Control tokens that are not ends are never sampled (as ``Engine.decode``): their
+        # logits are -inf in every distribution this picker draws from or verifies against.
+        self.banned = sorted(set(banned))
+        self._mask = None
+
+    def masked(self, logits):
+        if not self.banned:
+            return logits
+        import mlx.core as mx
+
+        if self._mask is None or self._mask.shape[-1] != logits.shape[-1]:
+            ids = mx.array([t for t in self.banned if t < logits.shape[-1]])
+            mask = mx.zeros((logits.shape[-1],), dtype=logits.dtype)
+            self._mask = mask.at[ids].add(-float("inf")) if ids.size else mask
+        return logits + self._mask
+
+    def sample(self, logits):
+        return self._sample(self.masked(logits))
+
+    def probs(self, logits):
+        import mlx.core as mx
+        from mlx_lm.sample_utils import apply_top_p
+
+        if 0 < self.top_p < 1.0:
+            logits = apply_top_p(logits, self.top_p)
+        return mx.softmax(logits.astype(mx.float32) * (1.0 / self.temp), axis=-1)
+
+    def verify(self, logits, draft: Sequence[int]) -> tuple[int, int]:
+        """(drafts accepted, the next token) for ``logits`` [len(draft) + 1, vocab], row i
+        being the model's distribution after the pending token and ``draft[:i]``."""
+        import mlx.core as mx
+
+        k = len(draft)
+        logits = self.masked(logits)
+        if self.temp == 0:
+            choice = mx.argmax(logits, axis=-1).tolist()
+            a = next((i for i in range(k) if draft[i] != choice[i]), k)
+            return a, int(choice[a])
+        p = self.probs(logits)
+        px = p[mx.arange(k), mx.array(list(draft))]
+        u = mx.random.uniform(shape=(k,))
+        mx.eval(px, u)
+        px, u = px.tolist(), u.tolist()
+        a = next((i for i in range(k) if u[i] >= px[i]), k)
+        if a == k:  # every draft token accepted: the next one is a plain sample
+            return a, int(self._sample(logits[k:k + 1]).item())
+        # Rejected x: sample from p without x, renormalised (the residual of p - q, q = δx).
+        rest = mx.where(mx.arange(p.shape[-1]) == draft[a], 0.0, p[a])
+        return a, int(mx.random.categorical(mx.log(rest)).item())
+
+
+@dataclass(frozen=True)
+class Step:
+    """One verify pass: of the draft, ``accepted`` tokens were kept; ``next`` is the model's
+    token after them (pending: not fed); ``mark`` is the cache before the pass."""
+
+    accepted: int
+    next: int
+    mark: Mark
+
+
+def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
+                     picker: Picker) -> Step:
+    """Feed ``pending`` and ``draft`` in one forward pass, keep the agreeing prefix.
+
+    Afterwards the cache holds ``pending`` and the accepted draft tokens, exactly as if fed one
+    by one (reusable for one sequence of a batch: ``model`` and ``cache`` are its own).
+    """
+    import mlx.core as mx
+
+    at = mark(cache)
+    logits = model(mx.array([pending, *draft])[None], cache=cache)[0]
+    accepted, nxt = picker.verify(logits, draft)
+    if accepted < len(draft):
+        rewind(model, cache, at, [pending, *draft[:accepted]])
+    return Step(accepted, nxt, at)
+
+
+def can_speculate(engine, options) -> bool:
+    """Whether a turn may decode with lookup: asked for, an engine that can verify, and no
+    sampling settings this module does not reproduce (a penalty or a top-k changes p)."""
+    if (options.speculate or "lookup") != "lookup" or not engine.can_verify():
+        return False
+    neutral = {"top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
+               "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+               "logit_bias": (None, {})}
+    return all(getattr(options, name, None) in ok for name, ok in neutral.items())
+
+
+def decode(engine, cache: list, logits, max_tokens: int, options, context: Sequence[int],
+           stats: LookupStats) -> Iterator[int]:
+    """``Engine.decode`` with prompt lookup where ``can_speculate`` says so, else plain.
+
+    ``context``: the tokens the cache holds (drafts are looked up in them and in the reply).
+    """
+    if not can_speculate(engine, options):
+        return engine.decode(cache, logits, max_tokens, options.temp, options.seed,
+                             options.top_p, **options.sampling_extras())
+    return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats)
+
+
+def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
+    import mlx.core as mx
+
+    if max_tokens <= 0:
+        return
+    if options.seed is not None:
+        mx.random.seed(options.seed)
+    model, eos = engine.model, frozenset(engine.eos_ids)
+    picker = Picker(options.temp, options.top_p, engine.hidden_ids - engine.eos_ids)
+    index = NgramIndex(context)
+    policy = Policy()
+    # A rejection on bounded layers costs a second forward pass: look up longer matches only.
+    min_ngram = MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM
+    y = int(picker.sample(logits).item())
+    n = 0  # tokens yielded
+    while True:
+        if y in eos:
+            yield y
+            return
+        if n == max_tokens - 1:
+            yield y
+            mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
+            return
+        index.append(y)
+        # Drafts stay before the last allowed token, which is fed only when read on.
+        want = min(policy.want(), max_tokens - 2 - n)
+        draft = index.draft(want, min_ngram, eos) if want > 0 else []
+        if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
+            nxt = picker.sample(model(mx.array([[y]]), cache=cache)[:, -1, :])
+            mx.async_eval(nxt)
+            yield y
+            n += 1
+            y = int(nxt.item())
+            continue
+        step = speculative_step(model, cache, y, draft, picker)
+        stats.drafted += len(draft)
+        stats.accepted += step.accepted
+        stats.steps += 1
+        policy.update(len(draft), step.accepted)
+        out = [y, *draft[:step.accepted]]
+        for j, tok in enumerate(out):
+            try:
+                yield tok
+            except GeneratorExit:
+                # The caller stopped after out[j]: give back what it did not take.
+                if j + 1 < len(out):
+                    rewind(model, cache, step.mark, out[:j + 1])
+                raise
+            n += 1
+            if j:
+                index.append(tok)
+        y = step.next
