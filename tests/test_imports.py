@@ -74,7 +74,7 @@ LAYERS = {
     "engine": ["localchat.engine"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
-                "localchat.replies", "localchat.cachereport"],
+                "localchat.replies", "localchat.cachereport", "localchat.prefillmodel"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
                    "localchat.cli_session",
                    "localchat.batch", "localchat.batchlines", "localchat.parallel",
