@@ -199,8 +199,8 @@ def as_lines(r: CacheReport) -> list[str]:
                 if k.bytes_per_token else f"checkpoint {human_bytes(k.checkpoint_bytes)}")
         out.append(f"  {k.layers:>3} × {k.name}: {cost}")
     m = r.prefill_model
-    out.append("turns (a full prefill " + (f"estimated by a prefill model {m.describe()}):"
-                                         if m else "not estimated: no measurements yet):"))
+    out.append("turns (full prefill " + (f"estimated {m.describe()}):"
+                                       if m else "not estimated: no measurements yet):"))
     for i, t in enumerate(r.turns, 1):
         full = f" · full ~{t.full_prefill_s:.2f} s (estimated)" if t.full_prefill_s else ""
         out.append(f"  {i:>3}. cached {t.cached_tokens:,} / prefilled {t.prefilled_tokens:,}"

@@ -82,9 +82,10 @@ class PrefillModel:
 
     def describe(self) -> str:
         """Where the figures come from, in a few words, e.g. 'fitted from 4 turns'."""
-        what = (f"fitted from {self.samples} turns of this conversation" if self.source == "turns"
+        what = (f"fitted to {self.samples} turns of this conversation" if self.source == "turns"
                 else f"from a calibration of this model on this machine ({self.samples} runs)")
-        return what + (f", {self.discarded} outliers left out" if self.discarded else "")
+        s = "s" if self.discarded > 1 else ""
+        return what + (f", {self.discarded} outlier{s} left out" if self.discarded else "")
 
 
 def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:

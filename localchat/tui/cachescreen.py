@@ -14,6 +14,8 @@ conversation's name, which is drawn literally.
 
 from __future__ import annotations
 
+import re
+
 from rich.cells import cell_len
 from rich.text import Text
 from textual.app import ComposeResult
@@ -61,19 +63,25 @@ def strip(r: CacheReport, width: int = STRIP) -> tuple[Text, Text]:
     return bar, marks
 
 
-def flow(head: Text, parts: list[str], width: int, indent: int = 6) -> list[Text]:
-    """``head`` then ``parts`` joined by " · ", broken into lines of at most ``width`` cells
-    between parts only, never inside one (a figure and its unit stay together); lines after
-    the first are indented by ``indent``."""
+def flow(head: Text, parts: list[str], width: int, indent: int = 6,
+         between: str = " · ") -> list[Text]:
+    """``head`` then ``parts`` joined by ``between``, broken into lines of at most ``width``
+    cells between parts only, never inside one (a figure and its unit stay together); lines
+    after the first are indented by ``indent``."""
     lines = [head.copy()]
     for part in parts:
         line = lines[-1]
-        sep = " · " if line.cell_len > (indent if len(lines) > 1 else head.cell_len) else ""
+        sep = between if line.cell_len > (indent if len(lines) > 1 else head.cell_len) else ""
         if line.cell_len + len(sep) + cell_len(part) > width and line.cell_len > indent:
             lines.append(Text(" " * indent))
             line, sep = lines[-1], ""
         line.append(sep + part)
     return lines
+
+
+def words(text: str) -> list[str]:
+    """A sentence's words, a parenthesis kept whole ("(4 runs)"), for ``flow``."""
+    return re.findall(r"\([^)]*\)[,.;]?|\S+", text)
 
 
 def turn_bars(r: CacheReport, width: int = STRIP) -> list[Text]:
@@ -119,14 +127,14 @@ def lines(r: CacheReport, width: int) -> dict[str, Text]:
         cost = ([f"{k.bytes_per_token:,} B/token", f"{human_bytes(k.disk_bytes)} on disk"]
                 if k.bytes_per_token else
                 [f"checkpoint {human_bytes(k.checkpoint_bytes)}", "whatever the length"])
-        for line in flow(Text(f"  {k.layers} × "), [k.name + ":", *cost], width, indent=6):
+        for line in flow(Text(f"  {k.layers} × {k.name}: "), cost, width, indent=6):
             kinds.append("\n")
             kinds.append_text(line)
     m = r.prefill_model
-    source = (f"a full prefill estimated by a prefill model {m.describe()}" if m
+    source = (f"Full prefill estimated {m.describe()}" if m
               else "no estimate of a full prefill yet")
     turns = Text("Turns", style="bold")
-    for line in flow(Text(""), [source], width, indent=2):
+    for line in flow(Text(""), words(source), width, indent=2, between=" "):
         turns.append("\n")
         turns.append_text(line)
     for line in turn_bars(r, width):
