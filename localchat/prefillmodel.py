@@ -16,7 +16,9 @@ Where the samples come from, in order:
    token), when there are ``MIN_SAMPLES`` of them spanning lengths a fit can tell apart;
 2. else a calibration: full prefills of a few hundred tokens, measured once per model and
    machine and kept in ``paths.prefill_models_dir()`` (checksummed and schema-checked when
-   read back; a damaged or foreign file is measured again, never trusted).
+   read back; a damaged or foreign file is measured again, never trusted), plus the median
+   of what the conversation's turns took beyond their calibrated prefill (a turn's own
+   work: its lock, rendering, reading the cache), so it estimates a turn's TTFT.
 
 Samples from a busy machine are discarded as outliers (slower than the fit by more than
 ``OUTLIER``): a machine is never faster than it can be, only slower. Every figure made from
@@ -32,9 +34,10 @@ import hashlib
 import json
 import math
 import platform
+import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import paths
 from .files import atomic_write, xxh3
@@ -68,6 +71,7 @@ class PrefillModel:
     source: str
     samples: int
     discarded: int = 0
+    overhead_s: float = 0.0  # of ``fixed_s``: a turn's own work beyond a calibrated prefill
 
     def cost(self, tokens: int, start: int = 0) -> float:
         """Estimated seconds to feed ``tokens`` after ``start`` cached ones (0 for none)."""
@@ -85,7 +89,9 @@ class PrefillModel:
         what = (f"fitted to {self.samples} turns of this conversation" if self.source == "turns"
                 else f"from a calibration of this model on this machine ({self.samples} runs)")
         s = "s" if self.discarded > 1 else ""
-        return what + (f", {self.discarded} outlier{s} left out" if self.discarded else "")
+        return (what + (f", {self.discarded} outlier{s} left out" if self.discarded else "")
+                + (f", plus {self.overhead_s * 1e3:.0f} ms a turn takes beyond its prefill"
+                   if self.overhead_s else ""))
 
 
 def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
@@ -173,7 +179,22 @@ def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
     """The model for a conversation's figures: its own turns when they can say, else this
     model's calibration on this machine (measured now if there is none and
     ``calibrate_now``; it takes seconds, on the thread that runs the model)."""
-    return from_turns(turns) or calibration(engine, measure=calibrate_now, clock=clock)
+    fitted = from_turns(turns)
+    if fitted is not None:
+        return fitted
+    calibrated = calibration(engine, measure=calibrate_now, clock=clock)
+    return with_turn_overhead(calibrated, turns) if calibrated is not None else None
+
+
+def with_turn_overhead(model: PrefillModel, turns: Sequence) -> PrefillModel:
+    """A calibration times the prefill alone; a turn's time to first token also holds the
+    turn's own work (the lock, reading the conversation, rendering, reading its cache). The
+    median of what the turns took beyond the calibrated prefill (never below 0) is added
+    to the fixed part, so a full prefill is estimated as a turn would see it."""
+    extra = [t.ttft_s - model.cost(t.prefilled_tokens, t.cached_tokens) for t in turns
+             if t.prefilled_tokens > 0 and math.isfinite(t.ttft_s) and t.ttft_s > 0]
+    over = max(0.0, statistics.median(extra)) if extra else 0.0
+    return replace(model, fixed_s=model.fixed_s + over, overhead_s=over)
 
 
 # -- the calibration ---------------------------------------------------------------------------

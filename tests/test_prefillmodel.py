@@ -174,3 +174,40 @@ def test_an_unwritable_data_folder_still_gives_figures(home):
     (home / "prefill-models").write_text("a file where the folder goes")
     clock = Clock()
     assert calibrated(FakeEngine(clock), clock) is not None
+
+
+def test_a_calibration_takes_the_turns_own_overhead_into_its_fixed_part(home):
+    """Three short turns (too short to fit) with 0.8 s of a turn's own work each: the full
+    prefill is estimated as such a turn would see it, and the per-token part is untouched."""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    bare = calibrated(engine, clock)
+    turns = turns_of(TRUE, [(0, 37), (44, 15), (66, 15)])
+    model = prefillmodel.for_conversation(engine, turns, clock=clock)
+    assert model.source == "calibration" and model.overhead_s == pytest.approx(0.75, rel=0.05)
+    assert model.full(2000) == pytest.approx(TRUE.full(2000), rel=0.02)
+    assert model.per_token_s == bare.per_token_s  # (not inflated by the overhead)
+    assert "beyond its prefill" in model.describe()
+    # Turns faster than the calibration (a quieter moment) never make the overhead negative.
+    quick = [Turn(t.prompt_tokens, t.cached_tokens, 0.001) for t in turns]
+    assert prefillmodel.for_conversation(engine, quick, clock=clock).overhead_s == 0.0
+
+
+@pytest.mark.slow
+def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home, capsys):
+    """The calibration (a few hundred tokens) against a measured full prefill of a prompt
+    twice its longest run: the ratio, measured here (the fastest of two runs of each, as the
+    calibration takes them; a busy machine only ever adds time)."""
+    from localchat.engine import Engine
+
+    engine = Engine.load(None)
+    model = prefillmodel.calibration(engine)
+    assert model is not None and model.source == "calibration"
+    ids = engine.encode(" ".join(f"Item {i} of the list is ready." for i in range(120)))[:800]
+    measured = min(prefillmodel.run_prefill(engine, ids, prefillmodel.time.perf_counter)
+                   for _ in range(2))
+    ratio = model.full(len(ids)) / measured
+    with capsys.disabled():
+        print(f"\nprefill model on the default model: {len(ids)} tokens estimated "
+              f"{model.full(len(ids)):.3f} s, measured {measured:.3f} s, ratio {ratio:.2f}")
+    assert 0.75 <= ratio <= 1.25
