@@ -4,22 +4,23 @@
 What it is: ``report(session, conv)`` → ``CacheReport``, read from the manifest (tokens,
 segments, checkpoints), the model's layout (each kind of layer and what it costs), the stored
 messages (where each starts in the token list) and the turns recorded in the database (cached
-vs prefilled, TTFT). Time a turn saved is estimated: the cached tokens at this machine's
-measured prefill rate (the median of the conversation's own turns that prefilled at least
-``RATE_TOKENS``), and the report says so. What it is not: drawing (the front ends).
+vs prefilled, TTFT). Time a turn saved is estimated: what a full prefill of its prompt would
+take by this machine's measured prefill model (``prefillmodel.py``: fitted from the
+conversation's own long-enough turns, else from a calibration of the model on this machine)
+less the turn's measured time to first token; the report says which source and that it is an
+estimate. What it is not: drawing (the front ends).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from dataclasses import dataclass, field
 
+from . import prefillmodel
 from .fmt import human_bytes
 from .kvcache.folder import CacheInvalid
 from .kvcache.kinds import BOUNDED, GROWING
-
-RATE_TOKENS = 32  # turns that prefilled fewer tokens say little about the prefill rate
+from .prefillmodel import PrefillModel
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,8 @@ class TurnView:
     draft_tokens: int
     completion_tokens: int
     ttft_s: float
-    full_prefill_s: float  # estimated: the whole prompt prefilled at the measured rate
-    saved_s: float  # estimated: the cached tokens at that rate
+    full_prefill_s: float  # estimated: the whole prompt prefilled (0: no estimate)
+    saved_s: float  # estimated: full_prefill_s less the measured TTFT, at least 0
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class CacheReport:
     kinds: list[LayerKind]
     disk_bytes: int
     turns: list[TurnView] = field(default_factory=list)
-    prefill_rate: float = 0.0  # tokens/s measured on this machine (0: not measured yet)
+    prefill_model: PrefillModel | None = None  # what the estimates come from (None: none)
     characters: int = 0  # of the conversation's messages
     note: str = ""  # why there is no cache (damaged, none yet)
 
@@ -70,8 +71,13 @@ class CacheReport:
         return self.tokens / self.characters if self.characters else 0.0
 
 
-def report(session, conv) -> CacheReport:
-    """The cache of ``conv`` as ``session``'s model sees it."""
+def report(session, conv, *, calibrate: bool = True) -> CacheReport:
+    """The cache of ``conv`` as ``session``'s model sees it.
+
+    ``calibrate``: when the conversation's turns cannot say what a full prefill costs and
+    this model was never calibrated on this machine, measure it now (seconds, on the model's
+    thread; once per model and machine). Otherwise the estimates are left out.
+    """
     engine = session.engine
     info = engine.info()
     layout = session.cache.layout(conv)
@@ -91,15 +97,16 @@ def report(session, conv) -> CacheReport:
     kinds = _kinds(layout, sum(b for _, _, b in segments),
                    checkpoints[-1][1] if checkpoints else 0)
     turns = session.store.turns(conv)
-    rates = [t.prefill_tps for t in turns if t.prefilled_tokens >= RATE_TOKENS
-             and t.prefill_tps > 0]
-    rate = statistics.median(rates) if rates else 0.0
-    views = [TurnView(t.prompt_tokens, t.cached_tokens, t.prefilled_tokens, t.draft_tokens,
-                      t.completion_tokens, t.ttft_s,
-                      t.prompt_tokens / rate if rate else 0.0,
-                      t.cached_tokens / rate if rate else 0.0) for t in turns]
+    model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate) \
+        if turns else None
+    views = []
+    for t in turns:
+        full = model.full(t.prompt_tokens) if model else 0.0
+        views.append(TurnView(t.prompt_tokens, t.cached_tokens, t.prefilled_tokens,
+                              t.draft_tokens, t.completion_tokens, t.ttft_s, full,
+                              max(0.0, full - t.ttft_s) if t.cached_tokens else 0.0))
     return CacheReport(conv.name, info.name, len(tokens), info.context_length, boundaries,
-                       segments, checkpoints, kinds, kv.disk_bytes(), views, rate,
+                       segments, checkpoints, kinds, kv.disk_bytes(), views, model,
                        sum(len(m["content"]) for m in messages), note)
 
 
@@ -191,15 +198,17 @@ def as_lines(r: CacheReport) -> list[str]:
         cost = (f"{k.bytes_per_token:,} B/token, {human_bytes(k.disk_bytes)} on disk"
                 if k.bytes_per_token else f"checkpoint {human_bytes(k.checkpoint_bytes)}")
         out.append(f"  {k.layers:>3} × {k.name}: {cost}")
-    rate = (f"{r.prefill_rate:.0f} tok/s, measured on this machine" if r.prefill_rate
-            else "not measured yet")
-    out.append(f"turns (full prefill estimated at {rate}):")
+    m = r.prefill_model
+    out.append("turns (full prefill " + (f"estimated {m.describe()}):"
+                                       if m else "not estimated: no measurements yet):"))
     for i, t in enumerate(r.turns, 1):
-        full = f" vs ~{t.full_prefill_s:.2f} s in full" if t.full_prefill_s else ""
+        full = f" · full ~{t.full_prefill_s:.2f} s (estimated)" if t.full_prefill_s else ""
         out.append(f"  {i:>3}. cached {t.cached_tokens:,} / prefilled {t.prefilled_tokens:,}"
                    + (f" (draft {t.draft_tokens})" if t.draft_tokens else "")
                    + f" · gen {t.completion_tokens} · TTFT {t.ttft_s:.2f} s{full}")
-    if r.prefill_rate:
+    if m:
+        out.append(f"prefill model       {m.fixed_s * 1e3:.1f} ms + {m.per_token_s * 1e3:.2f} "
+                   f"ms/token + {m.attention_s * 1e6:.3f} µs/token/position attended")
         out.append(f"time saved          ~{r.turns[-1].saved_s if r.turns else 0:.2f} s last "
                    f"turn, ~{r.saved_s:.2f} s in this conversation (estimated)")
     return out

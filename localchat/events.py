@@ -41,6 +41,8 @@ class PrefillProgress:
 @dataclass(frozen=True)
 class ReplyChunk:
     text: str
+    generated: int = 0  # tokens generated so far, this piece's included (what a bar shows)
+    thinking: int = 0  # of ``generated``: the model's reasoning
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class ReasoningChunk:
     """A piece of what a reasoning model thinks before its answer (kept apart from it)."""
 
     text: str
+    generated: int = 0  # as ``ReplyChunk``'s
+    thinking: int = 0
 
 
 @dataclass(frozen=True)

@@ -178,10 +178,11 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
             piece = text.add(said)
             run.reasoning += reasoning
             run.reply = text.text  # (what a turn cut short by an error or Ctrl-C keeps)
+            so_far = (len(run.generated), run.reasoning_tokens)  # (the live status bar's)
             if reasoning:
-                yield ReasoningChunk(reasoning)
+                yield ReasoningChunk(reasoning, *so_far)
             if piece:
-                yield ReplyChunk(piece)
+                yield ReplyChunk(piece, *so_far)
             if text.stop is not None:
                 run.finish, run.stop_sequence = "stop_sequence", text.stop
                 break
@@ -200,9 +201,10 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     piece = text.end(said + held_said)
     run.reply = text.text
     if reasoning + held_reasoning:
-        yield ReasoningChunk(reasoning + held_reasoning)
+        yield ReasoningChunk(reasoning + held_reasoning, len(run.generated),
+                             run.reasoning_tokens)
     if piece:
-        yield ReplyChunk(piece)
+        yield ReplyChunk(piece, len(run.generated), run.reasoning_tokens)
     # Store what the ids decode to: the streaming detokenizer trims a leading space, and
     # the next turn keeps these ids only if the stored text renders back to them. A reply
     # cut at a stop string is stored cut (the next turn's prefix match drops the rest). The

@@ -29,7 +29,7 @@ from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
 from .. import crashlog, paths
-from ..engine import Engine
+from ..engine import Engine, now
 from ..errors import LocalchatError
 from ..events import Notice, PrefillProgress, ReasoningChunk, ReplyChunk, TurnFinished
 from ..fmt import visible
@@ -209,7 +209,7 @@ class LocalchatApp(Actions, App):
         self.query_one(ChatView).show(self.store.messages(conv), window_from=conv.window_from)
         self.refresh_sidebar()
         status = self.query_one(StatusBar)
-        status.last_turn = f"{conv.tokens} tokens cached on disk" if conv.tokens else ""
+        status.show_stored(conv.tokens)
         if self._loaded_model is None or (self._loaded_model != conv.model
                                           and self.group is None):
             self.start_model(conv.model)
@@ -302,6 +302,11 @@ class LocalchatApp(Actions, App):
 
     @on(Composer.Submitted)
     def submitted(self, event: Composer.Submitted) -> None:
+        if self.busy and self._reply is not None:  # kept in the box, said under it
+            self.query_one("#draft", Label).update(
+                "a reply is running: your message stays here; Enter sends it once the reply "
+                "ends (Esc stops it)")
+            return
         if self.busy or self.session is None:
             self.notify("the model is busy or not loaded yet", severity="warning")
             return
@@ -330,6 +335,7 @@ class LocalchatApp(Actions, App):
         self.busy = True
         self._cancel = Cancel()
         self.drafts.stop()  # the turn starts from what it prefilled (Drafts.prefill)
+        self.query_one(StatusBar).begin_reply()  # not the previous turn's figures
         self.query_one(StatusBar).activity = "starting…"
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
@@ -352,9 +358,10 @@ class LocalchatApp(Actions, App):
                 events = session.turn(conv, prompt, options, cancel)
             for ev in events:
                 if isinstance(ev, ReplyChunk):
-                    self.post_message(ReplyStreamed(ev.text))
+                    self.post_message(ReplyStreamed(ev.text, ev.generated, ev.thinking, now()))
                 elif isinstance(ev, ReasoningChunk):
-                    self.post_message(ReasoningStreamed(ev.text))
+                    self.post_message(ReasoningStreamed(ev.text, ev.generated, ev.thinking,
+                                                        now()))
                 elif isinstance(ev, PrefillProgress):
                     self.post_message(PrefillAdvanced(ev.done, ev.total))
                 elif isinstance(ev, Notice):
@@ -375,12 +382,10 @@ class LocalchatApp(Actions, App):
         if self._thinking is None:
             self._thinking = self.query_one(ChatView).add_thinking(self._reply)
         self._thinking.add(msg.text)
-        self.query_one(StatusBar).activity = self._thinking.title.lower()
+        self.query_one(StatusBar).reply_grew(msg.generated, msg.thinking, msg.at)
 
     async def on_reply_streamed(self, msg: ReplyStreamed) -> None:
-        status = self.query_one(StatusBar)
-        if status.activity:
-            status.activity = ""
+        self.query_one(StatusBar).reply_grew(msg.generated, msg.thinking, msg.at)
         if self._thinking is not None:
             self._thinking.done_thinking()
         if self._stream is not None:
@@ -403,13 +408,17 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).show_usage(msg.usage)
         if self.sync_current():
             self.refresh_sidebar()
+        self.update_draft_count()  # (the hint of a message sent too early goes)
         self.drafts.schedule()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
         await self._end_stream()
         self._reply = self._thinking = None
         self.busy = False
-        self.query_one(StatusBar).activity = ""
+        status = self.query_one(StatusBar)
+        status.activity = ""
+        status.replying = False
+        self.update_draft_count()
         self.notify(msg.text, severity="error", timeout=15)
         # Show what is stored, and give an unsent message back to the composer.
         self.sync_current()

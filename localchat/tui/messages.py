@@ -56,6 +56,9 @@ class DraftAdvanced(Message):
 @dataclass
 class ReplyStreamed(Message):
     text: str
+    generated: int = 0  # tokens so far (``events.ReplyChunk``), for the live status bar
+    thinking: int = 0
+    at: float | None = None  # when the worker saw it (``time.perf_counter``)
 
 
 @dataclass
@@ -63,6 +66,9 @@ class ReasoningStreamed(Message):
     """A piece of a reasoning model's thinking (before its answer)."""
 
     text: str
+    generated: int = 0
+    thinking: int = 0
+    at: float | None = None
 
 
 @dataclass

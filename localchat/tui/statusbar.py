@@ -1,36 +1,64 @@
-"""The status bar: model, context use, the draft's prefill, the last turn's cache hit and speed.
+"""The status bar: the last turn's cache hit, TTFT and speed first, then the rest that fits;
+while a reply streams, the reply itself (tokens so far, tok/s, thinking tokens).
 
-Everything it shows comes from the ``Usage`` record a turn returns and the ``DraftProgress``
-of the unsent message (data down).
+Everything it shows comes from the ``Usage`` record a turn returns, the counts the streamed
+chunks carry and the ``DraftProgress`` of the unsent message (data down). The bar is one line:
+each part has a rank, and what does not fit the width is dropped least useful first (at 80
+columns: the hit, TTFT and decode speed stay; the model name, context and byte counts go
+first), never cut mid-figure.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
+from rich.cells import cell_len
 from textual.reactive import reactive
 from textual.widgets import Static
 
 from ..events import DraftProgress, Usage
 from ..fmt import human_bytes, visible
 
+SEP = " · "
+# Usage fields other parts of localchat add (name, label), shown when non-zero, least
+# useful of all: a slot the lead wires (e.g. ("accepted_tokens", "accepted")).
+EXTRA_USAGE: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Part:
+    text: str
+    rank: int  # 0: kept longest; higher ranks are dropped first when the bar is too narrow
+    short: str = ""  # said instead of being dropped (then kept as rank 0)
+
+
+def usage_parts(usage: Usage) -> list[Part]:
+    """The last turn's figures, in the order shown."""
+    hit = f"{usage.hit_ratio:.0%} hit"
+    parts = [
+        Part(f"cached {usage.cached_tokens} / prefilled {usage.prefilled_tokens} ({hit})", 2,
+             short=hit),
+        Part(f"TTFT {usage.ttft_s:.2f}s", 0),
+        Part(f"decode {usage.decode_tps:.1f} tok/s", 0),
+        *([Part(f"miss: {usage.miss_reason}", 1)] if usage.miss_reason else []),
+        Part(f"gen {usage.completion_tokens}" + (f" (thinking {usage.reasoning_tokens})"
+                                                 if usage.reasoning_tokens else ""), 3),
+        *([Part(f"draft {usage.draft_tokens}", 7)] if usage.draft_tokens else []),
+        Part(f"prefill {usage.prefill_tps:.0f} tok/s", 6),
+        Part(f"KV {human_bytes(usage.cache_bytes)}", 8),
+        *([Part("checkpoints", 9)] if usage.checkpoints else []),
+    ]
+    for name, label in EXTRA_USAGE:
+        value = getattr(usage, name, 0)
+        if value:
+            parts.append(Part(f"{label} {value}", 10))
+    return parts
+
 
 def describe(usage: Usage) -> str:
-    """The last-turn part of the status bar, e.g. 'cached 380 / prefilled 32 (92% hit)'."""
-    parts = [
-        f"cached {usage.cached_tokens} / prefilled {usage.prefilled_tokens} "
-        f"({usage.hit_ratio:.0%} hit)",
-        *([f"draft {usage.draft_tokens}"] if usage.draft_tokens else []),
-        f"gen {usage.completion_tokens}" + (f" (thinking {usage.reasoning_tokens})"
-                                            if usage.reasoning_tokens else ""),
-        f"TTFT {usage.ttft_s:.2f}s",
-        f"prefill {usage.prefill_tps:.0f} tok/s",
-        f"decode {usage.decode_tps:.1f} tok/s",
-        f"KV {human_bytes(usage.cache_bytes)}",
-    ]
-    if usage.checkpoints:
-        parts.append("checkpoints")
-    if usage.miss_reason:
-        parts.append(f"miss: {usage.miss_reason}")
-    return " · ".join(parts)
+    """The last-turn part of the status bar, whole, e.g. '92% hit · TTFT 0.12s · …'."""
+    return SEP.join(p.text for p in usage_parts(usage))
 
 
 def describe_draft(p: DraftProgress) -> str:
@@ -41,34 +69,98 @@ def describe_draft(p: DraftProgress) -> str:
     return f"draft {p.done}/{p.total} " + ("prefilled" if p.ready else "prefilling…")
 
 
+def describe_reply(generated: int, thinking: int, tok_s: float) -> list[Part]:
+    """A reply as it streams, e.g. 'replying: 57 tokens · 12.3 tok/s · thinking 20'."""
+    return [Part(f"replying: {generated} tokens", 0),
+            *([Part(f"{tok_s:.1f} tok/s", 0)] if tok_s else []),
+            *([Part(f"thinking {thinking}", 1)] if thinking else [])]
+
+
+def fit(parts: list[Part], width: int) -> str:
+    """``parts`` joined, dropping the highest rank (the later one among equals; one with a
+    short form is shortened instead) until the line fits ``width`` cells; what the most
+    useful parts alone overflow is cut by the widget."""
+    shown = list(parts)
+    while len(shown) > 1 and cell_len(SEP.join(p.text for p in shown)) > width:
+        worst = max(range(len(shown)), key=lambda i: (shown[i].rank, i))
+        if shown[worst].rank == 0:
+            break
+        if shown[worst].short:
+            shown[worst] = Part(shown[worst].short, 0)
+        else:
+            del shown[worst]
+    return SEP.join(p.text for p in shown)
+
+
 class StatusBar(Static):
     """Model names and miss reasons come from files and people: drawn literally."""
 
     model: reactive[str] = reactive("loading model…")
     context: reactive[tuple[int, int]] = reactive((0, 0))
-    last_turn: reactive[str] = reactive("")
+    last_turn: reactive[str] = reactive("")  # before any turn: what the conversation holds
     activity: reactive[str] = reactive("")  # prefill progress, model set-up
     draft: reactive[str] = reactive("")  # the unsent message's prefill (describe_draft)
-    usage: Usage | None = None  # the last turn's figures (what ``last_turn`` shows)
+    reply: reactive[tuple[int, int, float]] = reactive((0, 0, 0.0))  # generated, thinking, tok/s
+    replying: reactive[bool] = reactive(False)  # a turn runs: the last turn's figures are old
+    usage: reactive[Usage | None] = reactive(None)  # the last turn's figures
 
     def __init__(self, **kw):
         super().__init__(markup=False, **kw)
+        self._first: tuple[int, float] | None = None  # the reply's first count and its time
+
+    def parts(self) -> list[Part]:
+        """Everything the bar could show now, in order."""
+        used, length = self.context
+        figures = self.usage is not None or self.replying
+        # The model's name is known from the start: first until a turn has figures, then the
+        # first thing a narrow bar does without.
+        out = [] if figures else [Part(self.model, 0)]
+        if self.activity:
+            out.append(Part(self.activity, 0))
+        if self.replying:
+            if self.reply[0]:
+                out += describe_reply(*self.reply)
+        elif self.usage is not None:
+            out += usage_parts(self.usage)
+        elif self.last_turn:
+            out.append(Part(self.last_turn, 2))
+        if length:
+            out.append(Part(f"ctx {used}/{length}", 4))
+        if self.draft and not self.activity:
+            out.append(Part(self.draft, 1))
+        if figures:
+            out.append(Part(self.model, 5))
+        return out
 
     def render(self) -> str:
-        used, length = self.context
-        parts = [self.model]
-        if length:
-            parts.append(f"ctx {used}/{length}")
-        if self.draft and not self.activity:
-            parts.append(self.draft)
-        if self.activity:
-            parts.append(self.activity)
-        elif self.last_turn:
-            parts.append(self.last_turn)
-        return visible(" · ".join(parts))
+        return visible(fit(self.parts(), self.content_size.width or 80))
 
     def show_usage(self, usage: Usage) -> None:
-        self.usage = usage  # the last turn's figures, as shown
+        """The turn ended: its figures replace the streaming reply's."""
+        self.usage = usage
         self.context = (usage.context_tokens, usage.context_length)
-        self.last_turn = describe(usage)
+        self.replying = False
+        self.activity = ""
+
+    def show_stored(self, tokens: int) -> None:
+        """Another conversation is open: what its cache holds, no turn's figures yet."""
+        self.usage = None
+        self.replying = False
+        self.last_turn = f"{tokens} tokens cached on disk" if tokens else ""
+
+    def begin_reply(self) -> None:
+        """A turn starts: the previous turn's figures go (they are not this reply's)."""
+        self.replying = True
+        self.reply = (0, 0, 0.0)
+        self._first = None
+
+    def reply_grew(self, generated: int, thinking: int, at: float | None = None) -> None:
+        """``generated`` tokens so far (``thinking`` of them reasoning), the newest at
+        ``at`` (``time.perf_counter``); the speed counts from the first one seen."""
+        at = time.perf_counter() if at is None else at
+        if self._first is None:
+            self._first = (generated, at)
+        n0, t0 = self._first
+        rate = (generated - n0) / (at - t0) if generated > n0 and at > t0 else 0.0
+        self.reply = (generated, thinking, rate)
         self.activity = ""

@@ -1,0 +1,308 @@
+"""How long a full prefill takes on this machine, as a function of its length.
+
+What it is: a three-term cost model, fitted by least squares, that the cache view
+(``tui/cachescreen.py``) and ``inspect -c`` (``cachereport.py``) use to estimate what a turn
+would have cost without its cache. Feeding ``n`` tokens after ``k`` cached ones costs
+
+    fixed + per_token·n + attention·n·(k + n/2)
+
+(the attention term: each new token attends every position before it). A full prefill is
+``k = 0``. The old estimate (cached tokens ÷ the median rate of short turns) counted a turn's
+fixed overhead as per-token cost and claimed savings ten times too large; here the overhead
+lands in ``fixed`` and the per-token part comes from how the time grows with the length.
+
+Where the samples come from, in order:
+1. the conversation's own turns that prefilled at least ``MIN_TOKENS`` (their time to first
+   token), when there are ``MIN_SAMPLES`` of them spanning lengths a fit can tell apart;
+2. else a calibration: full prefills of a few hundred tokens, measured once per model and
+   machine and kept in ``paths.prefill_models_dir()`` (checksummed and schema-checked when
+   read back; a damaged or foreign file is measured again, never trusted), plus the median
+   of what the conversation's turns took beyond their calibrated prefill (a turn's own
+   work: its lock, rendering, reading the cache), so it estimates a turn's TTFT.
+
+Samples from a busy machine are discarded as outliers (slower than the fit by more than
+``OUTLIER``): a machine is never faster than it can be, only slower. Every figure made from
+this model is an estimate and the front ends say so.
+
+What it is not: a benchmark (``scripts/bench_figures.py`` checks the estimates against
+measured full prefills).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from . import paths
+from .files import atomic_write, xxh3
+
+MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says little
+MIN_SAMPLES = 3  # three terms need three lengths
+MIN_SPREAD = 2.0  # longest / shortest sample: closer lengths cannot part fixed from per-token
+OUTLIER = 0.25  # a sample this much slower than the fit (relative) is a busy machine's
+CALIBRATION = (16, 64, 160, 320)  # a few hundred tokens: seconds on a small model
+REPEATS = 2  # each length is measured this many times; the fastest counts
+SCHEMA = 1
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured prefill: ``tokens`` fed after ``start`` cached ones took ``seconds``."""
+
+    tokens: int
+    start: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Seconds to prefill, fitted from ``samples`` measurements (``discarded`` more were
+    outliers); ``source`` is "turns" or "calibration"."""
+
+    fixed_s: float
+    per_token_s: float
+    attention_s: float  # per new token, per position it attends
+    source: str
+    samples: int
+    discarded: int = 0
+    overhead_s: float = 0.0  # of ``fixed_s``: a turn's own work beyond a calibrated prefill
+
+    def cost(self, tokens: int, start: int = 0) -> float:
+        """Estimated seconds to feed ``tokens`` after ``start`` cached ones (0 for none)."""
+        if tokens <= 0:
+            return 0.0
+        return (self.fixed_s + self.per_token_s * tokens
+                + self.attention_s * tokens * (start + tokens / 2))
+
+    def full(self, tokens: int) -> float:
+        """Estimated seconds of a full prefill of ``tokens`` (no cache)."""
+        return self.cost(tokens, 0)
+
+    def describe(self) -> str:
+        """Where the figures come from, in a few words, e.g. 'fitted from 4 turns'."""
+        what = (f"fitted to {self.samples} turns of this conversation" if self.source == "turns"
+                else f"from a calibration of this model on this machine ({self.samples} runs)")
+        s = "s" if self.discarded > 1 else ""
+        return (what + (f", {self.discarded} outlier{s} left out" if self.discarded else "")
+                + (f", plus {self.overhead_s * 1e3:.0f} ms a turn takes beyond its prefill"
+                   if self.overhead_s else ""))
+
+
+def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
+    """The model that fits ``samples`` best, or None when they cannot determine one.
+
+    Least squares on relative error (a 16-token sample counts as much as a 320-token one),
+    with every coefficient ≥ 0 (the best of the fits over each subset of the three terms:
+    a negative fixed part or rate is noise, not physics); samples slower than the fit by more
+    than ``OUTLIER`` are dropped and the rest fitted again.
+    """
+    kept = [s for s in samples if s.tokens > 0 and s.start >= 0
+            and math.isfinite(s.seconds) and s.seconds > 0]
+    if len(kept) < MIN_SAMPLES or not spread_enough(kept):
+        return None
+    dropped = 0
+    coef = None
+    for _ in range(4):
+        coef = _nonnegative_fit(kept)
+        if coef is None:
+            return None
+        slow = [s for s in kept if s.seconds > (1 + OUTLIER) * _predict(coef, s)]
+        rest = [s for s in kept if s not in slow]
+        if not slow or len(rest) < MIN_SAMPLES or not spread_enough(rest):
+            break
+        # Drop the worst first: one busy moment can pull the fit up enough to make its
+        # neighbours look slow too.
+        worst = max(slow, key=lambda s: s.seconds / _predict(coef, s))
+        kept = [s for s in kept if s is not worst]
+        dropped += 1
+    return PrefillModel(*coef, source=source, samples=len(kept), discarded=dropped)
+
+
+def spread_enough(samples: Sequence[Sample]) -> bool:
+    lengths = [s.tokens for s in samples]
+    return max(lengths) >= MIN_SPREAD * min(lengths)
+
+
+def _features(s: Sample) -> tuple[float, float, float]:
+    return (1.0, float(s.tokens), s.tokens * (s.start + s.tokens / 2))
+
+
+def _predict(coef: tuple[float, float, float], s: Sample) -> float:
+    return sum(c * f for c, f in zip(coef, _features(s)))
+
+
+def _nonnegative_fit(samples: Sequence[Sample]) -> tuple[float, float, float] | None:
+    """Weighted least squares over every subset of the terms; the best fit with no negative
+    coefficient (three terms: seven small solves, no optimiser needed)."""
+    import numpy as np
+
+    a = np.array([_features(s) for s in samples], dtype=np.float64)
+    t = np.array([s.seconds for s in samples], dtype=np.float64)
+    w = 1.0 / t  # relative error
+    best, best_err = None, math.inf
+    for mask in range(1, 8):
+        cols = [i for i in range(3) if mask >> i & 1]
+        sub = a[:, cols] * w[:, None]
+        try:
+            x, _, rank, _ = np.linalg.lstsq(sub, t * w, rcond=None)
+        except (np.linalg.LinAlgError, ValueError):  # non-finite input or no convergence
+            continue
+        if rank < len(cols) or not np.all(np.isfinite(x)) or np.any(x < 0):
+            continue
+        err = float(np.sum((sub @ x - t * w) ** 2))
+        if err < best_err - 1e-15:  # (equal error: the fewer terms, found first, stay)
+            coef = [0.0, 0.0, 0.0]
+            for i, v in zip(cols, x):
+                coef[i] = float(v)
+            best, best_err = tuple(coef), err
+    if best is None or best[1] == 0 and best[2] == 0:
+        return None  # a cost that does not grow with the length: nothing to estimate from
+    return best
+
+
+def from_turns(turns: Sequence) -> PrefillModel | None:
+    """Fitted from recorded turns (``store.TurnRecord``) that prefilled at least
+    ``MIN_TOKENS``: their time to first token against what they fed after what was cached."""
+    samples = [Sample(t.prefilled_tokens, t.cached_tokens, t.ttft_s) for t in turns
+               if t.prefilled_tokens >= MIN_TOKENS]
+    return fit(samples, "turns")
+
+
+def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
+                     clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
+    """The model for a conversation's figures: its own turns when they can say, else this
+    model's calibration on this machine (measured now if there is none and
+    ``calibrate_now``; it takes seconds, on the thread that runs the model)."""
+    fitted = from_turns(turns)
+    if fitted is not None:
+        return fitted
+    calibrated = calibration(engine, measure=calibrate_now, clock=clock)
+    return with_turn_overhead(calibrated, turns) if calibrated is not None else None
+
+
+def with_turn_overhead(model: PrefillModel, turns: Sequence) -> PrefillModel:
+    """A calibration times the prefill alone; a turn's time to first token also holds the
+    turn's own work (the lock, reading the conversation, rendering, reading its cache). The
+    median of what the turns took beyond the calibrated prefill (never below 0) is added
+    to the fixed part, so a full prefill is estimated as a turn would see it."""
+    extra = [t.ttft_s - model.cost(t.prefilled_tokens, t.cached_tokens) for t in turns
+             if t.prefilled_tokens > 0 and math.isfinite(t.ttft_s) and t.ttft_s > 0]
+    over = max(0.0, statistics.median(extra)) if extra else 0.0
+    return replace(model, fixed_s=model.fixed_s + over, overhead_s=over)
+
+
+# -- the calibration ---------------------------------------------------------------------------
+
+def machine_key(engine) -> str:
+    """Model and machine: the cache fingerprint (weights, K/V dtype), the CPU and the MLX
+    device and path; a calibration made under any other is not this one's."""
+    import mlx.core as mx
+
+    from .cpu import backend
+    from .cpu.probe import cpu_identity
+
+    who = {"model": engine.cache_fingerprint, "cpu": cpu_identity(),
+           "machine": platform.machine(), "device": str(mx.default_device()),
+           "cpu_path": bool(backend.cpu_path())}
+    return hashlib.sha256(json.dumps(who, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def calibration_path(key: str):
+    return paths.prefill_models_dir() / f"{key}.json"
+
+
+def calibration(engine, *, measure: bool = True,
+                clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
+    """This model's calibration on this machine: read back, or measured and kept."""
+    key = machine_key(engine)
+    path = calibration_path(key)
+    kept = read_calibration(path, key)
+    if kept is not None or not measure:
+        return kept
+    samples = measure_prefills(engine, clock=clock)
+    model = fit(samples, "calibration")
+    if model is not None:
+        write_calibration(path, key, samples)
+    return model
+
+
+def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int = REPEATS,
+                     clock: Callable[[], float] = time.perf_counter) -> list[Sample]:
+    """Full prefills of each length into a fresh cache, up to the first token (as a
+    ``--no-cache`` turn does); the fastest of ``repeats`` runs of each counts."""
+    text = " ".join(f"{w} {i}." for i, w in enumerate(
+        "the quick brown fox jumps over a lazy dog near the river bank".split() * 40))
+    ids = engine.encode(text)
+    while len(ids) < max(lengths):
+        ids = ids + ids
+    run_prefill(engine, ids[:8], clock)  # warm-up: the first call compiles and allocates
+    out = []
+    for n in lengths:
+        best = min(run_prefill(engine, ids[:n], clock) for _ in range(repeats))
+        out.append(Sample(n, 0, best))
+    return out
+
+
+def run_prefill(engine, tokens: list[int], clock: Callable[[], float]) -> float:
+    """Seconds to prefill ``tokens`` into a new cache and pick the first token."""
+    import mlx.core as mx
+
+    t = clock()
+    cache = engine.new_cache()
+    gen = engine.prefill(tokens, cache)
+    while True:
+        try:
+            next(gen)
+        except StopIteration as fin:
+            logits = fin.value
+            break
+    mx.eval(mx.argmax(logits, axis=-1))
+    return clock() - t
+
+
+def _body(key: str, samples: Sequence[Sample]) -> dict:
+    return {"schema": SCHEMA, "key": key, "made": round(time.time()),
+            "samples": [[s.tokens, s.start, s.seconds] for s in samples]}
+
+
+def _digest(body: dict) -> int:
+    return xxh3(json.dumps(body, sort_keys=True).encode())
+
+
+def write_calibration(path, key: str, samples: Sequence[Sample]) -> None:
+    """Keep the samples (the fit is made again on reading: one code path), checksummed; a
+    data folder that cannot be written only means measuring again next time."""
+    body = _body(key, samples)
+    try:
+        paths.ensure(path.parent)
+        atomic_write(path, json.dumps({**body, "xxh3": _digest(body)}).encode())
+    except OSError:
+        pass  # (read-only or full: the figures still come, measured again next time)
+
+
+def read_calibration(path, key: str) -> PrefillModel | None:
+    """The kept calibration, or None when missing, damaged, of another model or machine,
+    or not a calibration a fit can use (the caller then measures again)."""
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or set(data) != {"schema", "key", "made", "samples", "xxh3"}:
+        return None
+    body = {k: v for k, v in data.items() if k != "xxh3"}
+    if data["xxh3"] != _digest(body) or data["schema"] != SCHEMA or data["key"] != key:
+        return None
+    rows = data["samples"]
+    if not isinstance(rows, list) or not all(
+            isinstance(r, list) and len(r) == 3 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
+            for r in rows):
+        return None
+    return fit([Sample(int(n), int(k), float(s)) for n, k, s in rows], "calibration")
+

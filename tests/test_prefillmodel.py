@@ -1,0 +1,213 @@
+"""The prefill model (``prefillmodel.py``): what a full prefill costs on this machine, fitted
+from turns or a calibration, robust to a busy machine and to a damaged calibration file."""
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+
+import pytest
+
+from localchat import prefillmodel
+from localchat.prefillmodel import PrefillModel, Sample, fit, from_turns
+
+TRUE = PrefillModel(0.8, 0.002, 2e-7, "truth", 0)  # 0.8 s fixed overhead: a busy app's turn
+
+
+@dataclass
+class Turn:  # what store.TurnRecord gives the model
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
+
+
+def turns_of(costs: PrefillModel, shapes, slow: dict[int, float] = {}) -> list[Turn]:
+    """Turns of (cached, prefilled) whose TTFT the scripted clock gives by ``costs``; the
+    i-th one ``slow[i]`` times slower (another program had the CPU)."""
+    return [Turn(k + n, k, costs.cost(n, k) * slow.get(i, 1.0))
+            for i, (k, n) in enumerate(shapes)]
+
+
+SHAPES = [(0, 70), (90, 80), (200, 150), (380, 300), (700, 90), (820, 400)]
+
+
+def test_large_fixed_overhead_does_not_inflate_the_estimate():
+    turns = turns_of(TRUE, SHAPES)
+    model = from_turns(turns)
+    assert model is not None and model.source == "turns" and model.samples == 6
+    for n in (100, 1000, 4000):
+        assert model.full(n) == pytest.approx(TRUE.full(n), rel=0.02)
+    # Negative control: the estimate this replaces (the median rate of the turns, applied to
+    # the whole prompt) counts the overhead as per-token cost and is several times too large.
+    rate = statistics.median(t.prefilled_tokens / t.ttft_s for t in turns)
+    assert 4000 / rate > 2.5 * TRUE.full(4000)
+
+
+def test_a_busy_machine_s_turns_are_left_out():
+    turns = turns_of(TRUE, SHAPES + [(1300, 200), (1600, 120)], slow={2: 3.0, 5: 2.0})
+    model = from_turns(turns)
+    assert model.discarded == 2 and model.samples == 6
+    assert model.full(2000) == pytest.approx(TRUE.full(2000), rel=0.05)
+    assert "2 outliers left out" in model.describe()
+    # (kept in, the slow ones pull the estimate up)
+    naive = fit([Sample(t.prefilled_tokens, t.cached_tokens, t.ttft_s) for t in turns], "x")
+    assert naive.full(2000) > 1.1 * TRUE.full(2000) or naive.discarded
+
+
+def test_short_or_alike_turns_give_no_fit():
+    assert from_turns(turns_of(TRUE, [(0, 34), (40, 36), (80, 37), (120, 35)])) is None
+    assert from_turns(turns_of(TRUE, [(0, 100), (100, 110), (300, 120)])) is None  # spread
+    assert from_turns(turns_of(TRUE, [(0, 100), (100, 400)])) is None  # two samples
+    assert fit([Sample(100, 0, math.nan), Sample(200, 0, math.inf), Sample(300, 0, -1.0),
+                Sample(400, 0, 1.0)], "x") is None
+    # A cost that does not grow with the length determines nothing.
+    assert fit([Sample(n, 0, 1.0) for n in (64, 128, 256, 512)], "x") is None
+    # Coefficients are never negative, even when the samples would say so.
+    m = fit([Sample(64, 0, 0.5), Sample(128, 0, 0.4), Sample(512, 0, 0.6)], "x")
+    assert m is None or min(m.fixed_s, m.per_token_s, m.attention_s) >= 0
+
+
+# -- the calibration: a fake engine on a scripted clock ------------------------------------------
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeEngine:
+    """Prefill whose cost the clock says: ``TRUE`` without its 0.8 s (a bare prefill), the
+    ``spikes``-th calls much slower."""
+
+    cache_fingerprint = "fake-model-float16"
+
+    def __init__(self, clock: Clock, spikes=()):
+        self.clock, self.spikes, self.calls = clock, set(spikes), 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    def new_cache(self) -> list:
+        return []
+
+    def prefill(self, tokens, cache):
+        import mlx.core as mx
+
+        self.calls += 1
+        cost = TRUE.full(len(tokens)) - 0.75
+        self.clock.t += cost * (5 if self.calls in self.spikes else 1)
+        yield len(tokens), len(tokens)
+        return mx.zeros((1, 4))
+
+
+def calibrated(engine: FakeEngine, clock: Clock) -> PrefillModel:
+    return prefillmodel.calibration(engine, clock=clock)
+
+
+def test_a_calibration_is_measured_once_and_kept(home):
+    clock = Clock()
+    engine = FakeEngine(clock, spikes={3, 6})  # a busy moment: the repeat is faster
+    model = calibrated(engine, clock)
+    assert model.source == "calibration" and "calibration" in model.describe()
+    assert model.full(3000) == pytest.approx(TRUE.full(3000) - 0.75, rel=0.02)
+    measured = engine.calls
+    assert measured == 1 + len(prefillmodel.CALIBRATION) * prefillmodel.REPEATS
+    again = calibrated(engine, clock)
+    assert engine.calls == measured and again == model  # read back, not measured again
+    files = list((home / "prefill-models").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["schema"] == 1
+
+
+def damage(path, how: str) -> None:
+    data = json.loads(path.read_text())
+    if how == "flip":
+        path.write_text(path.read_text().replace('"samples": [[16', '"samples": [[17'))
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[:40])
+    elif how == "garbage":
+        path.write_bytes(b"\x00\xff" * 30)
+    elif how == "types":  # a well-formed file (checksum made to match) of the wrong shape
+        body = {**{k: v for k, v in data.items() if k != "xxh3"}, "samples": [["a", 0, 1]]}
+        path.write_text(json.dumps({**body, "xxh3": prefillmodel._digest(body)}))
+    elif how == "other machine":
+        body = {**{k: v for k, v in data.items() if k != "xxh3"}, "key": "0" * 32}
+        path.write_text(json.dumps({**body, "xxh3": prefillmodel._digest(body)}))
+    elif how == "schema":
+        body = {**{k: v for k, v in data.items() if k != "xxh3"}, "schema": 99}
+        path.write_text(json.dumps({**body, "xxh3": prefillmodel._digest(body)}))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "garbage", "types", "other machine",
+                                 "schema"])
+def test_a_damaged_calibration_is_measured_again(home, how):
+    clock = Clock()
+    engine = FakeEngine(clock)
+    first = calibrated(engine, clock)
+    path = next((home / "prefill-models").glob("*.json"))
+    damage(path, how)
+    measured = engine.calls
+    second = calibrated(engine, clock)
+    assert engine.calls > measured  # measured again, no exception
+    assert second.full(1000) == pytest.approx(first.full(1000), rel=1e-9)
+    assert prefillmodel.read_calibration(path, prefillmodel.machine_key(engine)) is not None
+
+
+def test_the_control_an_intact_file_is_trusted(home):
+    """(the negative control of the damage cases: the same steps without damage)"""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    calibrated(engine, clock)
+    measured = engine.calls
+    calibrated(engine, clock)
+    assert engine.calls == measured
+
+
+def test_an_unwritable_data_folder_still_gives_figures(home):
+    home.mkdir(parents=True)
+    (home / "prefill-models").write_text("a file where the folder goes")
+    clock = Clock()
+    assert calibrated(FakeEngine(clock), clock) is not None
+
+
+def test_a_calibration_takes_the_turns_own_overhead_into_its_fixed_part(home):
+    """Three short turns (too short to fit) with 0.8 s of a turn's own work each: the full
+    prefill is estimated as such a turn would see it, and the per-token part is untouched."""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    bare = calibrated(engine, clock)
+    turns = turns_of(TRUE, [(0, 37), (44, 15), (66, 15)])
+    model = prefillmodel.for_conversation(engine, turns, clock=clock)
+    assert model.source == "calibration" and model.overhead_s == pytest.approx(0.75, rel=0.05)
+    assert model.full(2000) == pytest.approx(TRUE.full(2000), rel=0.02)
+    assert model.per_token_s == bare.per_token_s  # (not inflated by the overhead)
+    assert "beyond its prefill" in model.describe()
+    # Turns faster than the calibration (a quieter moment) never make the overhead negative.
+    quick = [Turn(t.prompt_tokens, t.cached_tokens, 0.001) for t in turns]
+    assert prefillmodel.for_conversation(engine, quick, clock=clock).overhead_s == 0.0
+
+
+@pytest.mark.slow
+def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home, capsys):
+    """The calibration (a few hundred tokens) against a measured full prefill of a prompt
+    twice its longest run: the ratio, measured here (the fastest of two runs of each, as the
+    calibration takes them; a busy machine only ever adds time)."""
+    from localchat.engine import Engine
+
+    engine = Engine.load(None)
+    model = prefillmodel.calibration(engine)
+    assert model is not None and model.source == "calibration"
+    ids = engine.encode(" ".join(f"Item {i} of the list is ready." for i in range(120)))[:800]
+    measured = min(prefillmodel.run_prefill(engine, ids, prefillmodel.time.perf_counter)
+                   for _ in range(2))
+    ratio = model.full(len(ids)) / measured
+    with capsys.disabled():
+        print(f"\nprefill model on the default model: {len(ids)} tokens estimated "
+              f"{model.full(len(ids)):.3f} s, measured {measured:.3f} s, ratio {ratio:.2f}")
+    assert 0.75 <= ratio <= 1.25
