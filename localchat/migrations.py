@@ -114,6 +114,10 @@ MIGRATIONS = [
     """
     ALTER TABLE conversations ADD COLUMN thinking INTEGER;
     """,
+    # The conversation's tools (MCP): what its last turn rendered, servers off, tools allowed.
+    """
+    ALTER TABLE conversations ADD COLUMN tools TEXT;
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 

@@ -44,6 +44,9 @@ class Conversation:
     kv_bits: int | None = None  # 8 or 4: the stored cache is quantized (see cachekinds)
     kv_group: int | None = None
     thinking: bool | None = None  # a reasoning model thinks (None: as its template says)
+    # The tools of this conversation (``tools/settings.py``, JSON): the digest of those its
+    # last turn rendered, the servers turned off, the tools allowed without asking.
+    tools: str | None = None
 
     def __post_init__(self) -> None:
         if self.thinking is not None:  # (SQLite keeps it as 0 or 1)
@@ -84,7 +87,8 @@ class TurnRecord:
         return self.prompt_tokens - self.cached_tokens
 
 
-CONVERSATION = "id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking"
+CONVERSATION = ("id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking,"
+                " tools")
 
 
 class Store:
@@ -252,8 +256,9 @@ class Store:
             " WHERE conversation_id = ? ORDER BY id", (conv.id,))]
 
     def update(self, conv: Conversation, **fields) -> Conversation:
-        """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""
-        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking"}
+        """Change ``name``, ``model``, ``system``, ``tokens``, the KV settings or ``tools``."""
+        allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking",
+                   "tools"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:
@@ -325,9 +330,9 @@ class Store:
         with self._tx():
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
             self.db.execute(
-                f"INSERT INTO conversations ({CONVERSATION}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO conversations ({CONVERSATION}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
-                 conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking))
+                 conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking, conv.tools))
             self.db.executemany(
                 "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
                 " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",
