@@ -19,7 +19,7 @@ from localchat.cli import main
 from localchat.engine import Engine
 from localchat.store import Store
 from localchat.tools.config import load_config, parse_config
-from localchat.tools.turns import DENIED
+from localchat.tools.turns import DENIED, TOO_LONG
 
 BIN = Path(sys.executable).parent
 TIME_CALL = ('<tool_call>\n{"name": "get_current_time", "arguments": {"timezone": "UTC"}}'
@@ -31,14 +31,28 @@ def git_call(repo: Path) -> str:
             '"max_count": 3}}\n</tool_call>' % repo)
 
 
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    # (The servers' tool definitions alone are ~1,200 of this tokenizer's tokens.)
-    folder = build_tiny_model(tmp_path_factory.mktemp("mcp") / "tiny-tools", context=16384)
+def with_tools_template(folder: Path) -> Path:
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    """The tiny llama with a tool-calling template. (The servers' tool definitions alone are
+    ~1,200 of its tokens; a result is cut to half as many characters as the context has
+    tokens: 8,192 here.)"""
+    return with_tools_template(build_tiny_model(
+        tmp_path_factory.mktemp("mcp") / "tiny-tools", context=16384))
+
+
+@pytest.fixture(scope="module")
+def small_tool_model(tmp_path_factory) -> Path:
+    """The same with a context a cut 5 MB result (1,024 "x"s) and a long message do not
+    fit together."""
+    return with_tools_template(build_tiny_model(
+        tmp_path_factory.mktemp("mcp-small") / "tiny-tools", context=2048))
 
 
 @pytest.fixture
@@ -226,3 +240,89 @@ def test_ask_with_tools_for_a_model_without_tool_calling(home, tmp_path, tiny_mo
     cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
     code, out, err = ask(capsys, tiny_model, "--mcp", str(cfg), "hi")
     assert code == 2 and "has no tool calling" in err and "Traceback" not in err
+
+
+# -- fault servers (tests/mcp_faults.py) ------------------------------------------------------
+
+FAULTS = Path(__file__).parent / "mcp_faults.py"
+PROBE_CALL = '<tool_call>\n{"name": "probe", "arguments": {"what": "x"}}\n</tool_call>'
+
+
+def fault(mode: str, **kw) -> dict:
+    return {"command": sys.executable, "args": [str(FAULTS), mode], **kw}
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("exit", "did not start: "),
+    ("mute", "did not start in 3 s"),
+    ("garbage", "did not start in 3 s"),
+])
+def test_a_server_that_does_not_start_is_one_notice(home, tmp_path, tool_model, scripted,
+                                                    capsys, mode, says):
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, start_timeout=3)})
+    scripted(["Fine without it."])
+    code, out, err = ask(capsys, tool_model, "-c", "f", "--mcp", str(cfg), "hi")
+    assert code == 0 and out == "Fine without it.\n"
+    (notice,) = [line for line in err.splitlines() if "bad" in line]
+    assert notice.startswith("localchat: MCP server bad: " + says)
+    assert "Traceback" not in err and "garbage" not in err  # its output went to a log
+    assert (home / "logs" / "mcp-bad.log").exists()
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("raise", "probe failed: "),
+    ("hang", "bad did not answer in 3 s"),
+    ("crash", "bad"),
+])
+def test_a_call_that_fails_is_one_notice_and_the_reply_goes_on(home, tmp_path, tool_model,
+                                                               scripted, capsys, mode, says):
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, timeout=3)})
+    scripted([PROBE_CALL, "Went on."])
+    code, out, err = ask(capsys, tool_model, "-c", "f", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["reply"] == "Went on."
+    (call,) = got["tool_calls"]
+    assert call["outcome"] == "failed" and says in call["error"]
+    notices = [line for line in err.splitlines() if line.startswith("localchat: tool probe")]
+    assert len(notices) == 1 and "Traceback" not in err
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("f"))
+    # No half-turn: the call has its (failed) result, and the reply follows it.
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[2].content.startswith("Error: ") and msgs[2].extra["outcome"] == "failed"
+    store.close()
+
+
+def test_a_huge_result_is_cut_with_a_notice(home, tmp_path, tool_model, scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"big": fault("huge")})
+    scripted([PROBE_CALL, "Long."])
+    code, out, err = ask(capsys, tool_model, "-c", "h", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi")
+    assert code == 0, err
+    (call,) = json.loads(out)["tool_calls"]
+    assert call["outcome"] == "ran" and call["full_chars"] == 5 * 2**20
+    assert call["result"].startswith("x" * 8192 + "\n[result cut")
+    assert call["result"].endswith(f"[result cut: {5 * 2**20:,} characters in all]")
+    assert "localchat: tool probe: its result (5.0 MB) was cut to 8,192 characters" in err
+    store = Store.open(paths.database_path())
+    tool = store.messages(store.get("h"))[2]
+    assert tool.content == call["result"] and tool.extra["full_chars"] == 5 * 2**20
+    store.close()
+
+
+def test_results_that_do_not_fit_the_context_are_told_not_stored_half(
+        home, tmp_path, small_tool_model, scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"big": fault("huge")})
+    scripted([PROBE_CALL, "Too long, then."])
+    code, out, err = ask(capsys, small_tool_model, "-c", "s", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi " * 300)  # (900 tokens)
+    assert code == 0, err
+    assert json.loads(out)["reply"] == "Too long, then."
+    assert "the tool results do not fit the context" in err
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("s"))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[2].content == TOO_LONG
+    store.close()

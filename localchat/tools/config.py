@@ -12,8 +12,9 @@ The format, as Claude Desktop, Cursor and oterm read it::
         "time": {"command": "uvx", "args": ["mcp-server-time"]},
         "web":  {"url": "http://127.0.0.1:8000/mcp"}}}
 
-localchat also reads ``"timeout"`` (seconds a start or a call may take; default 30) and
-``"disabled": true`` (listed, never started), which other apps ignore.
+localchat also reads ``"timeout"`` (seconds a call may take; default 30),
+``"start_timeout"`` (seconds to start and list tools; default 30) and ``"disabled": true``
+(listed, never started), which other apps ignore.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..errors import BadInput
 
 DEFAULT_TIMEOUT = 30.0
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # a server's name shows in notices and logs' names
-KNOWN = {"command", "args", "env", "cwd", "url", "headers", "timeout", "disabled", "type"}
+KNOWN = {"command", "args", "env", "cwd", "url", "headers", "timeout", "start_timeout",
+         "disabled", "type"}
 
 
 @dataclass(frozen=True)
@@ -43,8 +45,9 @@ class ServerSpec:
     cwd: str | None = None
     url: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
-    timeout: float = DEFAULT_TIMEOUT
+    timeout: float = DEFAULT_TIMEOUT  # seconds a call may take
     disabled: bool = False
+    start_timeout: float = DEFAULT_TIMEOUT  # seconds to start and list its tools
 
     @property
     def where(self) -> str:
@@ -116,15 +119,20 @@ def _server(name: str, body: object, at: str) -> ServerSpec:
     cwd = body.get("cwd")
     if cwd is not None and not isinstance(cwd, str):
         raise BadInput(f"{at}.cwd: must be a string")
-    timeout = body.get("timeout", DEFAULT_TIMEOUT)
-    if (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
-            or not math.isfinite(timeout) or not 0 < timeout <= 3600):
-        raise BadInput(f"{at}.timeout: must be seconds, more than 0 and at most 3600")
+    timeout = _seconds(body.get("timeout", DEFAULT_TIMEOUT), f"{at}.timeout")
+    start_timeout = _seconds(body.get("start_timeout", DEFAULT_TIMEOUT), f"{at}.start_timeout")
     disabled = body.get("disabled", False)
     if not isinstance(disabled, bool):
         raise BadInput(f"{at}.disabled: must be true or false")
-    return ServerSpec(name, command, tuple(args), env, cwd, url, headers, float(timeout),
-                      disabled)
+    return ServerSpec(name, command, tuple(args), env, cwd, url, headers, timeout, disabled,
+                      start_timeout)
+
+
+def _seconds(value: object, at: str) -> float:
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or not 0 < value <= 3600):
+        raise BadInput(f"{at}: must be seconds, more than 0 and at most 3600")
+    return float(value)
 
 
 def _strings(value: object, at: str) -> dict[str, str]:

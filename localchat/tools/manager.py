@@ -109,11 +109,27 @@ class Tools:
     def _ensure_loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
+                self._quiet_sdk()
                 self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(target=self._loop.run_forever,
                                                 name="localchat-mcp", daemon=True)
                 self._thread.start()
             return self._loop
+
+    def _quiet_sdk(self) -> None:
+        """The SDK logs a server's bad output with a traceback through ``logging``: into
+        ``logs/mcp.log``, never onto the screen (the app's, or a script's stderr)."""
+        import logging
+
+        log = logging.getLogger("mcp")
+        if not any(getattr(h, "localchat", False) for h in log.handlers):
+            path = self.log_path("sdk").with_name("mcp.log")
+            paths.ensure(path.parent)
+            handler = logging.FileHandler(path, encoding="utf-8", delay=True)
+            handler.localchat = True  # type: ignore[attr-defined]
+            handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
+            log.addHandler(handler)
+        log.propagate = False
 
     def _submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self._ensure_loop())
@@ -138,11 +154,11 @@ class Tools:
         for name, fut in futures.items():
             spec = next(s for s in wanted if s.name == name)
             try:
-                fut.result(spec.timeout + 5)  # (_start times itself out first)
+                fut.result(spec.start_timeout + 5)  # (_start times itself out first)
             except concurrent.futures.TimeoutError:
                 fut.cancel()
                 self._servers[name] = _Server(spec, state=ServerState(
-                    name, spec.where, error=f"did not start in {spec.timeout:g} s"))
+                    name, spec.where, error=f"did not start in {spec.start_timeout:g} s"))
         return [self._servers[s.name].state for s in wanted]
 
     async def _start(self, spec: ServerSpec) -> None:
@@ -152,13 +168,14 @@ class Tools:
         srv.stop = asyncio.Event()
         srv.task = asyncio.create_task(self._hold(srv, ready))
         try:
-            tools = await asyncio.wait_for(asyncio.shield(ready), spec.timeout)
+            tools = await asyncio.wait_for(asyncio.shield(ready), spec.start_timeout)
             srv.state = ServerState(spec.name, spec.where, tools=tuple(tools))
         except asyncio.TimeoutError:
             ready.cancel()  # (nobody waits for it any more)
             srv.task.cancel()
             srv.state = ServerState(spec.name, spec.where, error=(
-                f"did not start in {spec.timeout:g} s (its log: {self.log_path(spec.name)})"))
+                f"did not start in {spec.start_timeout:g} s (its log: "
+                f"{self.log_path(spec.name)})"))
         except Exception as err:  # noqa: BLE001 - whatever the SDK raised, as one line
             srv.state = ServerState(spec.name, spec.where, error=(
                 f"did not start: {one_line(err)} (its log: {self.log_path(spec.name)})"))
@@ -169,7 +186,9 @@ class Tools:
 
         try:
             srv.log = self._log_file(srv.spec.name)
-            async with Client(self._transport(srv), read_timeout_seconds=srv.spec.timeout,
+            # (Each call is timed by ``_call``; the SDK's own timeout only backs it up.)
+            wait = max(srv.spec.timeout, srv.spec.start_timeout)
+            async with Client(self._transport(srv), read_timeout_seconds=wait,
                               cache=None) as client:
                 listed = await client.list_tools()
                 ready.set_result([ToolInfo(srv.spec.name, t.name, t.description or "",
@@ -245,12 +264,13 @@ class Tools:
     def find(self, name: str) -> ToolInfo | None:
         return next((t for t in self.tools() if t.name == name), None)
 
-    def call(self, name: str, arguments: dict, stop: threading.Event | None = None
-             ) -> ToolResult:
+    def call(self, name: str, arguments: dict, stop: threading.Event | None = None,
+             limit: int = MAX_RESULT_CHARS) -> ToolResult:
         """Call tool ``name``; never raises for the server's failures (``ToolResult.error``).
 
         Args:
             stop: set from another thread (Esc) to give up on the call at once.
+            limit: the characters of the result the model gets (``ToolResult.text``).
         Raises:
             ToolStopped: ``stop`` was set before the call answered.
         """
@@ -281,7 +301,7 @@ class Tools:
         took = time.monotonic() - t0
         if error:
             return ToolResult(name, "", error=error, seconds=took)
-        return ToolResult(name, text[:MAX_RESULT_CHARS], text, seconds=took)
+        return ToolResult(name, text[:limit], text, seconds=took)
 
     async def _call(self, srv: _Server, name: str, arguments: dict) -> tuple[str, str]:
         if srv.client is None:

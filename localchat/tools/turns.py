@@ -16,8 +16,10 @@ conversation never holds a call without its answer (a half-turn).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator
 
+from ..errors import ContextFull
 from ..events import Notice, ToolCallFinished, ToolCallStarted, TurnFinished
 from ..fmt import human_bytes
 from .manager import MAX_RESULT_CHARS, Tools, ToolStopped
@@ -29,6 +31,7 @@ MAX_ROUNDS = 8  # replies that call tools in a row before the turn stops asking 
 Approve = Callable[[str, dict], str]
 DENIED = "The user denied this tool call."
 STOPPED = "The user stopped this tool call before it answered."
+TOO_LONG = "Error: the result is too long for the model's context."
 
 
 def allow_listed(names: set[str]) -> Approve:
@@ -52,6 +55,9 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
         ``Notice`` for each failure or cut result, a ``TurnFinished`` for each round.
     """
     functions = functions_for(tools, conv)
+    # A result's characters the model gets: at most half as many as its context has tokens
+    # (a character is rarely more than a token), so one result leaves room for the rest.
+    limit = min(MAX_RESULT_CHARS, session.engine.info().context_length // 2)
     options = dataclasses.replace(options, tools=functions)
     events = session.turn(conv, prompt, options, cancel)
     for round_no in range(max_rounds):
@@ -85,7 +91,7 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
                 yield ToolCallFinished(call_id, name, arguments, outcome, error=error)
                 continue
             try:
-                got = tools.call(name, arguments, stop=cancel)
+                got = tools.call(name, arguments, stop=cancel, limit=limit)
             except ToolStopped:
                 results.append(_message(call_id, name, STOPPED, "stopped"))
                 yield ToolCallFinished(call_id, name, arguments, "stopped")
@@ -100,9 +106,10 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
             text = got.text
             if got.cut:
                 yield Notice(f"tool {name}: its result ({human_bytes(len(got.full))}) was cut "
-                             f"to {MAX_RESULT_CHARS:,} characters for the model")
+                             f"to {limit:,} characters for the model")
                 text += f"\n[result cut: {len(got.full):,} characters in all]"
-            results.append(_message(call_id, name, text, "ran", len(got.full)))
+            results.append(_message(call_id, name, text, "ran",
+                                    len(got.full) if got.cut else 0))
             yield ToolCallFinished(call_id, name, arguments, "ran", text, len(got.full),
                                    seconds=got.seconds, full=got.full if got.cut else "")
         if cancel.is_set():
@@ -111,15 +118,32 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
                 session.store.add_message(conv, "tool", m["content"], extra={
                     k: v for k, v in m.items() if k not in ("role", "content")})
             return
-        events = session.answer(conv, results, options, cancel)
+        events = yield from _answer(session, conv, results, options, cancel)
     yield Notice(f"the model called tools {max_rounds} times in a row; stopped asking it")
+
+
+def _answer(session, conv, results: list[dict], options, cancel):
+    """``Session.answer`` with the results; when they do not fit the context, the model is
+    told so instead (each result that ran becomes one line), so the calls still get their
+    answers stored. Returns the answer's remaining events."""
+    events = session.answer(conv, results, options, cancel)
+    try:
+        first = next(events)
+    except StopIteration:
+        return iter(())
+    except ContextFull as err:
+        yield Notice(f"the tool results do not fit the context ({err}); the model is told")
+        results = [dict(m, content=TOO_LONG, outcome="too long") if m["outcome"] == "ran"
+                   else m for m in results]
+        events = session.answer(conv, results, options, cancel)
+        first = next(events)
+    return itertools.chain([first], events)
 
 
 def _message(call_id: str, name: str, text: str, outcome: str, full_chars: int = 0) -> dict:
     """A tool result as stored and rendered (templates read ``content``; some ``name``)."""
     return {"role": "tool", "content": text, "tool_call_id": call_id, "name": name,
-            "outcome": outcome, **({"full_chars": full_chars}
-                                   if full_chars > MAX_RESULT_CHARS else {})}
+            "outcome": outcome, **({"full_chars": full_chars} if full_chars else {})}
 
 
 def _allow(session, conv, name: str) -> None:
