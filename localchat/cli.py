@@ -39,6 +39,7 @@ from .cli_session import (
     start_cluster,
     thinking_setting,
 )
+from .cli_tools import add_tool_flags, ask_with_tools, cmd_mcp, tools_wanted
 from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, human_bytes, say, visible
 from .models import DEFAULT_MODEL
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    add_tool_flags(a)
     add_thinking_flag(a)
     add_overflow_flag(a)
     add_speculate_flag(a)
@@ -168,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--to", metavar="SIZE", default=None,
                     help="prune down to SIZE (e.g. 2G; default: LOCALCHAT_CACHE_LIMIT)")
     add("models", cmd_models)
+    mc = add("mcp", cmd_mcp)
+    mc.add_argument("action", choices=["list"], help="list: start each server, show its tools")
+    mc.add_argument("--mcp", metavar="FILE", help="the config (default: $LOCALCHAT_HOME/mcp.json)")
+    mc.add_argument("--json", action="store_true")
     i = add("inspect", cmd_inspect)
     i.add_argument("-m", "--model", metavar="MODEL")
     i.add_argument("-c", "--conversation", metavar="NAME",
@@ -274,7 +280,13 @@ def cmd_ask(args) -> int:
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
                           no_cache=args.no_cache, speculate=args.speculate)
     cancel = Cancel()
-    if args.regenerate:
+    calls: list[dict] = []  # the tool calls of the turn (--mcp/--allow-tools)
+    if tools_wanted(args):
+        if args.regenerate or args.edit_last:
+            raise BadInput("--mcp/--allow-tools go with a new message, not --regenerate or "
+                           "--edit-last")
+        events = ask_with_tools(session, conv, prompt, options, cancel, args, calls)
+    elif args.regenerate:
         events = session.regenerate(conv, options, cancel)
     elif args.edit_last:
         events = session.edit_last(conv, prompt, options, cancel)
@@ -284,7 +296,7 @@ def cmd_ask(args) -> int:
     if args.json:
         out = {"conversation": conv.name, "reply": finished.reply,
                **({"reasoning": finished.reasoning} if finished.reasoning else {}),
-               "usage": finished.usage.public()}
+               "usage": finished.usage.public(), **({"tool_calls": calls} if calls else {})}
         if finished.stopped:
             out["stopped"] = True
         print(json.dumps(out, ensure_ascii=False))

@@ -78,6 +78,21 @@ def _thought(m) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _calls(m) -> list[str]:
+    """A reply's tool calls as ``name {arguments}`` lines (``tools/turns.py``)."""
+    out = []
+    for c in (m.extra or {}).get("tool_calls") or []:
+        f = c.get("function", {}) if isinstance(c, dict) else {}
+        out.append(f"{f.get('name')} {json.dumps(f.get('arguments'), ensure_ascii=False)}")
+    return out
+
+
+def _role(m) -> str:
+    """``tool · NAME`` for a tool result, else the role."""
+    name = (m.extra or {}).get("name") if m.role == "tool" else None
+    return f"tool · {name}" if isinstance(name, str) else m.role
+
+
 def cmd_show(args) -> int:
     """Print a conversation's messages."""
     store = open_store()
@@ -93,7 +108,10 @@ def cmd_show(args) -> int:
         mark = " (stopped)" if m.partial else ""
         if args.show_thinking and _thought(m):
             print(f"[{m.role} · thinking] {shown(_thought(m))}\n")
-        print(f"[{m.role}]{mark} {shown(m.content)}\n")
+        if m.content or not _calls(m):
+            print(f"[{shown(_role(m))}]{mark} {shown(m.content)}\n")
+        for call in _calls(m):
+            print(f"[{m.role} · tool call] {shown(call)}\n")
     return 0
 
 
@@ -137,7 +155,11 @@ def cmd_export(args) -> int:
         print(f"## {who}{mark}\n")
         if _thought(m) and not args.no_thinking:  # folded, as Markdown viewers show <details>
             print(f"<details><summary>Thinking</summary>\n\n{_thought(m)}\n\n</details>\n")
+        if m.role == "tool" and (m.extra or {}).get("name"):
+            print(f"_{m.extra['name']}_\n")
         print(f"{m.content}\n")
+        for call in _calls(m):
+            print(f"**Tool call:** `{call}`\n")
     return 0
 
 

@@ -166,4 +166,38 @@ class TurnFinished:
     reasoning: str = ""  # the model's reasoning before ``reply`` (a reasoning model's)
 
 
-Event = Notice | PrefillProgress | ReasoningChunk | ReplyChunk | TurnFinished
+@dataclass(frozen=True)
+class ToolCallStarted:
+    """A tool call the model made, about to be approved and run (``tools/turns.py``)."""
+
+    call_id: str
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolCallFinished:
+    """A tool call's outcome: ``ran`` (``result`` is what the model got, ``full_chars`` the
+    whole result's length), ``denied``, ``failed`` (``error`` says why, one line) or
+    ``stopped`` (the user stopped it)."""
+
+    call_id: str
+    name: str
+    arguments: dict
+    outcome: str
+    result: str = ""
+    full_chars: int = 0
+    error: str = ""
+    seconds: float = 0.0
+    full: str = ""  # the whole result when it was cut for the model (not stored)
+
+    def public(self) -> dict:
+        """The call as ``ask --json`` lists it."""
+        return {"name": self.name, "arguments": self.arguments, "outcome": self.outcome,
+                "result": self.result, **({"error": self.error} if self.error else {}),
+                **({"full_chars": self.full_chars}
+                   if self.full_chars > len(self.result) else {})}
+
+
+Event = (Notice | PrefillProgress | ReasoningChunk | ReplyChunk | TurnFinished | ToolCallStarted
+         | ToolCallFinished)

@@ -120,6 +120,10 @@ MIGRATIONS = [
     ALTER TABLE conversations ADD COLUMN context_overflow TEXT;
     ALTER TABLE conversations ADD COLUMN window_from INTEGER NOT NULL DEFAULT 0;
     """,
+    # The conversation's tools (MCP): what its last turn rendered, servers off, tools allowed.
+    """
+    ALTER TABLE conversations ADD COLUMN tools TEXT;
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 

@@ -39,7 +39,12 @@ def split_tool_calls(engine, text: str, tools) -> tuple[str, list[dict]]:
             kept.append(start + body + (end if close >= 0 else ""))
         calls += found or []
     kept.append(rest)
-    return "".join(kept).strip() if calls else text, calls
+    if not calls:
+        return text, []
+    # The text kept as the model wrote it (the space before a call too): the template renders
+    # it back before the calls, and a byte that differs costs the call's cache next turn.
+    said = "".join(kept)
+    return (said if said.strip() else ""), calls
 
 
 def _parse(engine, body: str, tools) -> list[dict] | None:

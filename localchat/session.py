@@ -48,6 +48,7 @@ from .kvcache.prefixes import PrefixPool
 from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
 from .replies import split_tool_calls
 from .store import Conversation, Store
+from .tools.settings import ToolSettings, digest_of
 from .turncache import Prior, Start, TurnCache
 
 __all__ = ["Cancel", "DraftProgress", "Event", "Notice", "PrefillProgress", "ReplyChunk",
@@ -322,6 +323,9 @@ class Session:
                 m.get("reasoning_content") for m in history):
             start.changed = start.changed.replace(
                 "the conversation differs", "earlier reasoning dropped by the template,")
+        known_tools, tools_digest = ToolSettings.of(conv), digest_of(options.tools)
+        if start.changed.startswith("re-rendered") and tools_digest != known_tools.digest:
+            start.changed = "tools changed"  # (tool definitions render near the start)
         if start.damaged:
             yield Notice(start.changed)
         parts = [note] if note else [
@@ -358,6 +362,10 @@ class Session:
                 run.finish = "tool_calls"
         written, note = self._persist(conv, tokens + run.generated, start, run,
                                       run.stopped and run.logits_ready)
+        if tools_digest != known_tools.digest:
+            with contextlib.suppress(StorageError):  # (only the miss reason depends on it)
+                self.store.update(conv, tools=dataclasses.replace(
+                    known_tools, digest=tools_digest).to_json())
         if note:
             yield Notice(note)
         # The conversation's cache is every rank's shard together.

@@ -46,6 +46,9 @@ class Conversation:
     thinking: bool | None = None  # a reasoning model thinks (None: as its template says)
     context_overflow: str | None = None  # stop, truncate, summarize (None: truncate)
     window_from: int = 0  # stored messages (system aside) before the rendered window
+    # The tools of this conversation (``tools/settings.py``, JSON): the digest of those its
+    # last turn rendered, the servers turned off, the tools allowed without asking.
+    tools: str | None = None
 
     def __post_init__(self) -> None:
         if self.thinking is not None:  # (SQLite keeps it as 0 or 1)
@@ -87,7 +90,7 @@ class TurnRecord:
 
 
 CONVERSATION = ("id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking,"
-                " context_overflow, window_from")
+                " context_overflow, window_from, tools")
 
 
 class Store:
@@ -255,9 +258,10 @@ class Store:
             " WHERE conversation_id = ? ORDER BY id", (conv.id,))]
 
     def update(self, conv: Conversation, **fields) -> Conversation:
-        """Change ``name``, ``model``, ``system``, ``tokens`` or the KV settings."""
+        """Change ``name``, ``model``, ``system``, ``tokens``, the KV settings, the context
+        policy or ``tools``."""
         allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking",
-                   "context_overflow", "window_from"}
+                   "context_overflow", "window_from", "tools"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:
@@ -330,10 +334,10 @@ class Store:
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
             self.db.execute(
                 f"INSERT INTO conversations ({CONVERSATION}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
                  conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking,
-                 conv.context_overflow, conv.window_from))
+                 conv.context_overflow, conv.window_from, conv.tools))
             self.db.executemany(
                 "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
                 " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -1,0 +1,1 @@
+"""Tools through MCP servers (see config.py, manager.py)."""

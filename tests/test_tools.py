@@ -1,0 +1,328 @@
+"""Tools through MCP in ``ask`` and ``localchat mcp list``: real servers from the registry
+(``mcp-server-time``, ``mcp-server-git``) started from a config file, a tiny model with a
+tool-calling template whose replies are scripted to call them (``fakes.ScriptedEngine``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fakes import ScriptedEngine
+from test_server_tools import TOOLS_TEMPLATE
+from tiny import build_tiny_model
+
+from localchat import paths
+from localchat.cli import main
+from localchat.engine import Engine
+from localchat.store import Store
+from localchat.tools.config import load_config, parse_config
+from localchat.tools.turns import DENIED, TOO_LONG
+
+BIN = Path(sys.executable).parent
+TIME_CALL = ('<tool_call>\n{"name": "get_current_time", "arguments": {"timezone": "UTC"}}'
+             '\n</tool_call>')
+
+
+def git_call(repo: Path) -> str:
+    return ('<tool_call>\n{"name": "git_log", "arguments": {"repo_path": "%s", '
+            '"max_count": 3}}\n</tool_call>' % repo)
+
+
+def with_tools_template(folder: Path) -> Path:
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    """The tiny llama with a tool-calling template. (The servers' tool definitions alone are
+    ~1,200 of its tokens; a result is cut to half as many characters as the context has
+    tokens: 8,192 here.)"""
+    return with_tools_template(build_tiny_model(
+        tmp_path_factory.mktemp("mcp") / "tiny-tools", context=16384))
+
+
+@pytest.fixture(scope="module")
+def small_tool_model(tmp_path_factory) -> Path:
+    """The same with a context a cut 5 MB result (1,024 "x"s) and a long message do not
+    fit together."""
+    return with_tools_template(build_tiny_model(
+        tmp_path_factory.mktemp("mcp-small") / "tiny-tools", context=2048))
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """``scripted(replies)``: every model ``ask`` loads answers with these replies."""
+    load = Engine.load.__func__
+
+    def use(replies: list[str]) -> None:
+        def fake(cls, name=None, progress=None, *, group=None):
+            return ScriptedEngine(load(cls, name, progress, group=group), list(replies))
+        monkeypatch.setattr(Engine, "load", classmethod(fake))
+    return use
+
+
+@pytest.fixture
+def repo(tmp_path) -> Path:
+    """A git repository with two commits, for mcp-server-git."""
+    root = tmp_path / "repo"
+    root.mkdir()
+    env = {"GIT_AUTHOR_NAME": "T", "GIT_AUTHOR_EMAIL": "t@example.org",
+           "GIT_COMMITTER_NAME": "T", "GIT_COMMITTER_EMAIL": "t@example.org", "HOME": str(root)}
+    git = ["git", "-C", str(root)]
+    subprocess.run([*git, "init", "-q"], check=True, env=env)
+    for i, msg in enumerate(["first commit", "second commit: tools"]):
+        (root / f"f{i}.txt").write_text(str(i))
+        subprocess.run([*git, "add", "."], check=True, env=env)
+        subprocess.run([*git, "commit", "-q", "-m", msg], check=True, env=env)
+    return root
+
+
+def write_config(path: Path, servers: dict) -> Path:
+    path.write_text(json.dumps({"mcpServers": servers}))
+    return path
+
+
+def time_server() -> dict:
+    return {"command": str(BIN / "mcp-server-time")}
+
+
+def ask(capsys, model, *args):
+    code = main(["ask", "-m", str(model), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# -- the config ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("doc, says", [
+    ({}, 'needs an object "mcpServers"'),
+    ({"mcpServers": {"t": {}}}, 'needs either "command"'),
+    ({"mcpServers": {"t": {"command": "x", "url": "http://a"}}}, "not both"),
+    ({"mcpServers": {"t": {"command": "x", "args": "a b"}}}, "mcpServers.t.args"),
+    ({"mcpServers": {"t": {"url": "ftp://a"}}}, "mcpServers.t.url"),
+    ({"mcpServers": {"t": {"command": "x", "env": {"A": 1}}}}, "mcpServers.t.env"),
+    ({"mcpServers": {"t": {"command": "x", "timeout": -1}}}, "mcpServers.t.timeout"),
+    ({"mcpServers": {"t": {"command": "x", "colour": "red"}}}, "mcpServers.t.colour"),
+    ({"mcpServers": {"a b": {"command": "x"}}}, "a server's name"),
+])
+def test_bad_configs_are_one_line_naming_the_field(doc, says):
+    from localchat.errors import BadInput
+
+    with pytest.raises(BadInput) as err:
+        parse_config(doc, "cfg.json")
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_good_config_reads_both_kinds(tmp_path):
+    cfg = write_config(tmp_path / "mcp.json", {
+        "time": {"command": "uvx", "args": ["mcp-server-time"], "env": {"TZ": "UTC"}},
+        "web": {"url": "http://127.0.0.1:8000/mcp", "timeout": 5}})
+    time_, web = load_config(cfg)
+    assert (time_.name, time_.command, time_.args, time_.env) == (
+        "time", "uvx", ("mcp-server-time",), {"TZ": "UTC"})
+    assert (web.url, web.timeout, web.command) == ("http://127.0.0.1:8000/mcp", 5.0, None)
+    assert load_config(tmp_path / "none.json") == []  # no file: no servers
+
+
+def test_mcp_list_shows_each_server_and_its_tools(home, tmp_path, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {
+        "time": time_server(),
+        "broken": {"command": sys.executable, "args": ["-c", "import sys; sys.exit(3)"]}})
+    code = main(["mcp", "list", "--mcp", str(cfg), "--json"])
+    out, err = capsys.readouterr()
+    time_, broken = json.loads(out)
+    assert code == 1  # one server failed
+    assert time_["started"] and {t["name"] for t in time_["tools"]} == {
+        "get_current_time", "convert_time"}
+    assert not broken["started"] and broken["error"].startswith("did not start")
+    assert "Traceback" not in err
+    assert (home / "logs" / "mcp-time.log").exists()  # stderr goes to a log, not the screen
+    code = main(["mcp", "list", "--mcp", str(tmp_path / "missing.json")])
+    assert code == 2 and "no such MCP config file" in capsys.readouterr().err
+
+
+# -- ask ----------------------------------------------------------------------------------------
+
+
+def test_ask_runs_an_allowed_call_and_continues_after_its_result(home, tmp_path, tool_model,
+                                                                  scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    scripted(["Let me see. " + TIME_CALL, "It is now known."])
+    code, out, err = ask(capsys, tool_model, "-c", "t", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "get_current_time", "What time is it?")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["reply"] == "It is now known."
+    (call,) = got["tool_calls"]
+    assert (call["name"], call["arguments"], call["outcome"]) == (
+        "get_current_time", {"timezone": "UTC"}, "ran")
+    assert json.loads(call["result"])["timezone"] == "UTC"
+    store = Store.open(paths.database_path())
+    conv = store.get("t")
+    msgs = store.messages(conv)
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[1].content == "Let me see. "  # as written, so it renders back the same
+    assert msgs[1].extra["tool_calls"][0]["function"]["name"] == "get_current_time"
+    assert msgs[2].content == call["result"] and msgs[2].extra["outcome"] == "ran"
+    # The round after the result resumed from the call's cache: only the result prefilled.
+    one, two = store.turns(conv)
+    assert two.cached_tokens >= one.prompt_tokens + one.completion_tokens - 2
+    assert two.prefilled_tokens <= len(call["result"]) + 30  # (a token holds >= 1 character)
+    # --no-cache renders the very same prompts, prefilled whole.
+    scripted(["Let me see. " + TIME_CALL, "It is now known."])
+    ask(capsys, tool_model, "-c", "u", "--json", "--mcp", str(cfg), "--no-cache",
+        "--allow-tools", "get_current_time", "What time is it?")
+    one_u, two_u = store.turns(store.get("u"))
+    assert (one_u.prompt_tokens, two_u.prompt_tokens) == (one.prompt_tokens, two.prompt_tokens)
+    assert two_u.cached_tokens == 0
+    store.close()
+
+
+def test_ask_denies_a_tool_not_allowed_and_tells_the_model(home, tmp_path, tool_model,
+                                                           scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    scripted([TIME_CALL, "I may not look."])
+    code, out, err = ask(capsys, tool_model, "-c", "d", "--json", "--mcp", str(cfg),
+                         "What time is it?")
+    got = json.loads(out)
+    assert code == 0 and got["reply"] == "I may not look."
+    assert [c["outcome"] for c in got["tool_calls"]] == ["denied"]
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("d"))
+    assert [(m.role, m.content) for m in msgs][2] == ("tool", DENIED)
+    store.close()
+
+
+def test_git_log_on_a_repository_and_the_text_output(home, tmp_path, tool_model, scripted,
+                                                     repo, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {
+        "git": {"command": str(BIN / "mcp-server-git")}})
+    scripted([git_call(repo), "Two commits."])
+    code, out, err = ask(capsys, tool_model, "-c", "g", "--mcp", str(cfg),
+                         "--allow-tools", "git_log", "What changed?")
+    assert code == 0, err
+    assert out == "Two commits.\n"  # the call's markup never reaches stdout
+    assert "tool git_log" in err and ": ran" in err
+    store = Store.open(paths.database_path())
+    tool = store.messages(store.get("g"))[2]
+    assert "second commit: tools" in tool.content and "first commit" in tool.content
+    # Search finds the tool result like any message.
+    assert [m.role for _, m in store.search("second commit")] == ["tool"]
+    store.close()
+    main(["show", "g"])
+    shown = capsys.readouterr().out
+    assert "git_log" in shown and "second commit: tools" in shown
+
+
+def test_turning_tools_off_says_tools_changed(home, tmp_path, tool_model, scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    scripted(["Hello.", "Again."])
+    ask(capsys, tool_model, "-c", "x", "--json", "--mcp", str(cfg), "Hi")
+    code, out, _ = ask(capsys, tool_model, "-c", "x", "--json", "More")
+    usage = json.loads(out)["usage"]
+    assert usage["miss_reason"] == "tools changed"
+    assert usage["cached_tokens"] < 40  # re-rendered from the start
+    # Negative control: the same tools again is a pure append.
+    scripted(["One.", "Two."])
+    ask(capsys, tool_model, "-c", "y", "--json", "--mcp", str(cfg), "Hi")
+    _, out, _ = ask(capsys, tool_model, "-c", "y", "--json", "--mcp", str(cfg), "More")
+    assert json.loads(out)["usage"]["miss_reason"] == ""
+
+
+def test_ask_with_tools_for_a_model_without_tool_calling(home, tmp_path, tiny_model, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    code, out, err = ask(capsys, tiny_model, "--mcp", str(cfg), "hi")
+    assert code == 2 and "has no tool calling" in err and "Traceback" not in err
+
+
+# -- fault servers (tests/mcp_faults.py) ------------------------------------------------------
+
+FAULTS = Path(__file__).parent / "mcp_faults.py"
+PROBE_CALL = '<tool_call>\n{"name": "probe", "arguments": {"what": "x"}}\n</tool_call>'
+
+
+def fault(mode: str, **kw) -> dict:
+    return {"command": sys.executable, "args": [str(FAULTS), mode], **kw}
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("exit", "did not start: "),
+    ("mute", "did not start in 3 s"),
+    ("garbage", "did not start in 3 s"),
+])
+def test_a_server_that_does_not_start_is_one_notice(home, tmp_path, tool_model, scripted,
+                                                    capsys, mode, says):
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, start_timeout=3)})
+    scripted(["Fine without it."])
+    code, out, err = ask(capsys, tool_model, "-c", "f", "--mcp", str(cfg), "hi")
+    assert code == 0 and out == "Fine without it.\n"
+    (notice,) = [line for line in err.splitlines() if "bad" in line]
+    assert notice.startswith("localchat: MCP server bad: " + says)
+    assert "Traceback" not in err and "garbage" not in err  # its output went to a log
+    assert (home / "logs" / "mcp-bad.log").exists()
+
+
+@pytest.mark.parametrize("mode, says", [
+    ("raise", "probe failed: "),
+    ("hang", "bad did not answer in 3 s"),
+    ("crash", "bad"),
+])
+def test_a_call_that_fails_is_one_notice_and_the_reply_goes_on(home, tmp_path, tool_model,
+                                                               scripted, capsys, mode, says):
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, timeout=3)})
+    scripted([PROBE_CALL, "Went on."])
+    code, out, err = ask(capsys, tool_model, "-c", "f", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi")
+    assert code == 0, err
+    got = json.loads(out)
+    assert got["reply"] == "Went on."
+    (call,) = got["tool_calls"]
+    assert call["outcome"] == "failed" and says in call["error"]
+    notices = [line for line in err.splitlines() if line.startswith("localchat: tool probe")]
+    assert len(notices) == 1 and "Traceback" not in err
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("f"))
+    # No half-turn: the call has its (failed) result, and the reply follows it.
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[2].content.startswith("Error: ") and msgs[2].extra["outcome"] == "failed"
+    store.close()
+
+
+def test_a_huge_result_is_cut_with_a_notice(home, tmp_path, tool_model, scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"big": fault("huge")})
+    scripted([PROBE_CALL, "Long."])
+    code, out, err = ask(capsys, tool_model, "-c", "h", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi")
+    assert code == 0, err
+    (call,) = json.loads(out)["tool_calls"]
+    assert call["outcome"] == "ran" and call["full_chars"] == 5 * 2**20
+    assert call["result"].startswith("x" * 8192 + "\n[result cut")
+    assert call["result"].endswith(f"[result cut: {5 * 2**20:,} characters in all]")
+    assert "localchat: tool probe: its result (5.0 MB) was cut to 8,192 characters" in err
+    store = Store.open(paths.database_path())
+    tool = store.messages(store.get("h"))[2]
+    assert tool.content == call["result"] and tool.extra["full_chars"] == 5 * 2**20
+    store.close()
+
+
+def test_results_that_do_not_fit_the_context_are_told_not_stored_half(
+        home, tmp_path, small_tool_model, scripted, capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"big": fault("huge")})
+    scripted([PROBE_CALL, "Too long, then."])
+    code, out, err = ask(capsys, small_tool_model, "-c", "s", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "probe", "hi " * 300)  # (900 tokens)
+    assert code == 0, err
+    assert json.loads(out)["reply"] == "Too long, then."
+    assert "the tool results do not fit the context" in err
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("s"))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[2].content == TOO_LONG
+    store.close()
