@@ -74,6 +74,8 @@ def main() -> None:
     benchlib.add_flags(ap, "1 trial, 256-token prefill, 16 tokens decoded")
     ap.add_argument("--lib", action="append", default=[], metavar="PATH",
                     help="another BLAS library to compare (repeatable)")
+    ap.add_argument("--child-timeout", type=float, default=900, metavar="S",
+                    help="seconds one setting may take before its row says so (default 900)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     trials, prompt, tokens = benchlib.pick(args, (3, 512, 32), (1, 256, 16), (1, 16, 4))
@@ -101,17 +103,23 @@ def main() -> None:
                 try:
                     cmd = [sys.executable, __file__, "--child", *benchlib.size_flags(args)] + \
                         (["-m", args.model] if args.model else [])
-                    out = benchlib.run(cmd, {**os.environ, "LOCALCHAT_BLAS": lib, **env})
+                    out = benchlib.run(cmd, {**os.environ, "LOCALCHAT_BLAS": lib, **env},
+                                       timeout=args.child_timeout)
+                    figures[loaded] = json.loads(out.stdout.strip().splitlines()[-1])
+                except SystemExit as err:  # one setting that fails or hangs is a row, not the end
+                    figures[loaded] = {"error": str(err), "prefill_tps": "", "decode_tps": ""}
                 finally:
                     for p in others:
                         p.kill()
                         p.wait()
-                figures[loaded] = json.loads(out.stdout.strip().splitlines()[-1])
+                print(f"bench_blas: {Path(lib).parent.parent.name} · {name} · "
+                      f"{'loaded' if loaded else 'quiet'}: {figures[loaded]}", file=sys.stderr)
             quiet, load = figures[False], figures[True]
             rows.append([f"{Path(lib).parent.parent.name}/{verdict.core}", name,
                          quiet["prefill_tps"], quiet["decode_tps"], load["prefill_tps"],
                          load["decode_tps"],
-                         benchlib.ratio(load["decode_tps"], quiet["decode_tps"])])
+                         benchlib.ratio(load["decode_tps"], quiet["decode_tps"])
+                         if "error" not in quiet and "error" not in load else "failed"])
             results.append({"lib": lib, "core": verdict.core, "config": verdict.config,
                             "setting": name, "env": env, "quiet": quiet, "loaded": load})
     print(f"# BLAS benchmark · {benchlib.machine()} · {prompt}-token prefill, {tokens} tokens "

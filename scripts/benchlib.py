@@ -97,10 +97,13 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 1800
     Raises:
         SystemExit: with the command and the last line of its stderr, if it fails.
     """
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    shown = " ".join(c if len(c) < 60 else c[:57] + "..." for c in cmd[1:])
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{shown}: no result in {timeout:.0f} s") from None
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no message"])[-1]
-        shown = " ".join(c if len(c) < 60 else c[:57] + "..." for c in cmd[1:])
         raise SystemExit(f"{shown}: exit status {out.returncode}: {last}")
     return out
 
