@@ -53,7 +53,8 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     t0 = now()
     out = batch_generate(engine.model, engine.tokenizer, prompts, prompt_caches=caches,
                          max_tokens=[limit for _, limit in ok], return_token_ids=True,
-                         sampler=make_sampler(temp))
+                         sampler=make_sampler(temp),
+                         logits_processors=engine.reply_processors(engine.layout().vocab or None))
     stats = out.stats
     info = engine.info()
     markers = thinking_markers(engine)
@@ -74,7 +75,7 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
             context_tokens=len(tokens) + len(ids), context_length=info.context_length,
             miss_reason="" if ks[i] else "no shared prefix",
             reasoning_tokens=_thought(engine, markers, ids))
-        text = engine.tokenizer.decode(ids)
+        text = engine.decode_text([t for t in ids if t not in engine.hidden_ids])
         opened = opened_in_prompt(engine, markers, tokens)
         reasoning, reply = split_reasoning(markers, (markers[0] + text) if opened else text)
         results.append((reply, reasoning, usage))
