@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import prefillmodel
+from . import prefillmodel, window
 from .fmt import human_bytes
 from .kvcache.folder import CacheInvalid
 from .kvcache.kinds import BOUNDED, GROWING
@@ -89,7 +89,7 @@ def report(session, conv, *, calibrate: bool = True) -> CacheReport:
         man, note = None, f"not usable ({err}): the next turn rebuilds it"
     if man is None and not note:
         note = "no cache on disk yet" if not info.unknown else "this model's cache is not kept"
-    messages = session.conversations.history(conv)
+    messages = window.visible(session.conversations.history(conv), conv.window_from)
     tokens = man.tokens if man else []
     boundaries = _boundaries(engine, messages, tokens)
     segments = [(s.start, s.end, s.nbytes) for s in man.segments] if man else []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 
+from . import window
 from .conversations import Conversations
 from .events import DraftProgress
 from .kvcache import kinds as ck
@@ -138,7 +139,8 @@ class Drafts:
         prior = turns.prior(conv, False, draft=True)
         if prior.note not in ("", "new conversation"):
             return
-        messages = self.conversations.history(conv) + [{"role": "user", "content": text}]
+        messages = window.visible(self.conversations.history(conv), conv.window_from) + [
+            {"role": "user", "content": text}]
         tokens = engine.render(messages, prior.tokens)
         on_disk = len(prior.tokens or ())
         if common_prefix(prior.tokens or [], tokens) < on_disk or \

@@ -314,6 +314,15 @@ class Engine:
         """Control tokens never shown or stored as reply text (the ends included)."""
         return self.end_tokens().hidden
 
+    def reply_processors(self, vocab: int | None = None) -> list:
+        """mlx-lm logits processors that keep control tokens (``hidden_ids - eos_ids``) out of
+        a reply (``vocab``: the logits' width, when known); also for mlx-lm's own loops
+        (``parallel``)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        banned = sorted(t for t in self.hidden_ids - self.eos_ids if not vocab or t < vocab)
+        return make_logits_processors({t: -float("inf") for t in banned} or None)
+
     def sampling(self):
         """The sampling defaults in force for the app and ``serve`` (``sampling.py``)."""
         if self._sampling is None:
@@ -422,10 +431,8 @@ class Engine:
         sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0,
                                min_p=min_p, top_k=top_k)
         eos = self.eos_ids
-        banned = sorted(self.hidden_ids - eos)
-        processors = make_logits_processors(
-            {t: -float("inf") for t in banned if t < logits.shape[-1]} or None,
-            repetition_penalty if repetition_penalty != 1.0 else None)
+        processors = self.reply_processors(logits.shape[-1]) + make_logits_processors(
+            None, repetition_penalty if repetition_penalty != 1.0 else None)
         seen: list[int] = []
 
         def pick(scores):

@@ -58,6 +58,25 @@ def reply_budget(max_tokens: int, context: int) -> int:
     return max(1, min(max_tokens, context // 4))
 
 
+def split(history: list[dict], window_from: int) -> tuple[list[dict], list[dict], int]:
+    """(the system prompt as a list, the rest, the window's start in the rest): the start
+    moved back to a user message when an edit or regenerate removed messages after it."""
+    head = history[:1] if history and history[0]["role"] == "system" else []
+    body = history[len(head):]
+    users = [i for i, m in enumerate(body) if m["role"] == "user"]
+    start = min(window_from, users[-1]) if users else 0
+    if start and start not in users:
+        start = next((u for u in users if u >= start), users[-1])
+    return head, body, start
+
+
+def visible(history: list[dict], window_from: int) -> list[dict]:
+    """What the model sees of ``history`` (the system prompt, then the window) as it stands:
+    a draft's or the cache view's rendering, before any cut the next turn may make."""
+    head, body, start = split(history, window_from)
+    return head + body[start:]
+
+
 def fit(render, context: int, history: list[dict], window_from: int, policy: str,
         max_tokens: int, name: str) -> Fitted:
     """The window of ``history`` a turn renders.
@@ -71,13 +90,8 @@ def fit(render, context: int, history: list[dict], window_from: int, policy: str
     Raises:
         ContextFull: ``stop`` and the window does not fit, or the last turn alone does not.
     """
-    head = history[:1] if history and history[0]["role"] == "system" else []
-    body = history[len(head):]
+    head, body, start = split(history, window_from)
     users = [i for i, m in enumerate(body) if m["role"] == "user"]
-    # An edit or regenerate may have removed messages after the window's start.
-    start = min(window_from, users[-1]) if users else 0
-    if start and start not in users:
-        start = next((u for u in users if u >= start), users[-1])
     tokens = render(head + body[start:])
     budget = reply_budget(max_tokens, context)
     if len(tokens) + (budget if policy == "truncate" else 1) <= context:
