@@ -50,6 +50,16 @@ def test_a_wide_bar_shows_everything_and_a_narrow_one_does_not():
     assert "checkpoints" not in fit(parts, 80) and "KV" not in fit(parts, 80)
 
 
+def test_prompt_lookup_shows_drafts_taken_only_when_it_drafted():
+    import dataclasses
+
+    looked = dataclasses.replace(USAGE, lookup_drafted=40, lookup_accepted=31)
+    assert "lookup 31/40 taken" in fit(usage_parts(looked), 400)
+    assert "lookup" not in fit(usage_parts(USAGE), 400)  # (no drafts: nothing said)
+    # The least useful part: dropped before the hit, TTFT and speed at 80 columns.
+    assert "lookup" not in fit(usage_parts(looked), 80)
+
+
 async def test_at_80_columns_the_app_shows_hit_ttft_and_decode(make_app):
     app, _ = make_app(["Paris is the capital of France and its largest city by far."])
     async with app.run_test(size=(80, 30)) as pilot:

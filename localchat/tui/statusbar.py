@@ -21,9 +21,6 @@ from ..events import DraftProgress, Usage
 from ..fmt import human_bytes, visible
 
 SEP = " · "
-# Usage fields other parts of localchat add (name, label), shown when non-zero, least
-# useful of all: a slot the lead wires (e.g. ("accepted_tokens", "accepted")).
-EXTRA_USAGE: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -49,10 +46,8 @@ def usage_parts(usage: Usage) -> list[Part]:
         Part(f"KV {human_bytes(usage.cache_bytes)}", 8),
         *([Part("checkpoints", 9)] if usage.checkpoints else []),
     ]
-    for name, label in EXTRA_USAGE:
-        value = getattr(usage, name, 0)
-        if value:
-            parts.append(Part(f"{label} {value}", 10))
+    if usage.lookup_drafted:  # prompt lookup (``speculative.py``): drafts the model took
+        parts.append(Part(f"lookup {usage.lookup_accepted}/{usage.lookup_drafted} taken", 10))
     return parts
 
 
