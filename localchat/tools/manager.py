@@ -339,12 +339,15 @@ class Tools:
                 if srv.task is not None:
                     tasks.append(srv.task)
             if tasks:
-                _, pending = await asyncio.wait(tasks, timeout=5)
+                # Room for the SDK's own shutdown of a stdio server (stdin closed, 2 s, then
+                # SIGTERM, 2 s, then SIGKILL): cancelled sooner, it would leave the process
+                # running after we exit (seen on a busy machine with a server stuck in a call).
+                _, pending = await asyncio.wait(tasks, timeout=12)
                 for t in pending:
                     t.cancel()
 
         try:
-            asyncio.run_coroutine_threadsafe(stop_all(), self._loop).result(10)
+            asyncio.run_coroutine_threadsafe(stop_all(), self._loop).result(15)
         except (concurrent.futures.TimeoutError, RuntimeError):
             pass  # (a server that will not stop: the loop thread is a daemon)
         self._loop.call_soon_threadsafe(self._loop.stop)
