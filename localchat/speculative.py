@@ -3,7 +3,7 @@
 What it is: ``decode`` — a drop-in for ``Engine.decode`` with the same contract (every yielded
 token is fed before the next one is yielded, an EOS is never fed, the last allowed token is fed
 only when the caller reads on, and a caller that stops reading finds the cache holding exactly
-the tokens it was given). At each step the last few tokens (an n-gram of 2-4) are looked up in
+the tokens it was given). At each step the last few tokens (an n-gram of 3-5) are looked up in
 the context (prompt + reply so far, ``NgramIndex``); where they occurred before, the tokens that
 followed are the draft. One forward pass over the pending token and the draft gives the model's
 choice after each of them (``speculative_step``): the longest agreeing prefix is kept, plus the
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from .kvcache import kinds as ck
 
-MIN_NGRAM = 2  # shortest suffix looked up (1 matches everywhere and is mostly wrong)
-MAX_NGRAM = 4  # longest suffix looked up; a longer match is found through its last 4 tokens
+MIN_NGRAM = 3  # shortest suffix looked up: in free text 2-token matches were mostly wrong
+MAX_NGRAM = 5  # longest suffix looked up; a longer match is found through its last 5 tokens
 MAX_DRAFT = 10  # most tokens verified at once (see ``Policy``; measured in scripts/bench_decode)
 START_DRAFT = 4
 
@@ -48,7 +48,7 @@ class LookupStats:
 
 
 class NgramIndex:
-    """The context's n-grams (MIN_NGRAM..MAX_NGRAM long), each mapped to the position of the
+    """The context's n-grams (2..MAX_NGRAM long), each mapped to the position of the
     token after its latest occurrence; extended as tokens come. Lookups cost O(MAX_NGRAM)."""
 
     def __init__(self, tokens: Sequence[int]):
@@ -60,7 +60,7 @@ class NgramIndex:
     def append(self, tok: int) -> None:
         toks, end = self.tokens, len(self.tokens)
         # The n-grams ending just before ``tok`` now have a continuation: ``tok``.
-        for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+        for n in range(2, min(MAX_NGRAM, end) + 1):
             self.table[tuple(toks[end - n:end])] = end
         toks.append(tok)
 
@@ -83,9 +83,9 @@ class NgramIndex:
 
 class Policy:
     """How long the next draft is. Doubles after a fully accepted draft (copying), falls to what
-    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for as
-    many steps as misses came in a row (free-form text then costs ~nothing; each miss costs a
-    slightly wider forward pass, and on bounded caches one more forward to re-feed)."""
+    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for
+    1, 2, 4 … 16 steps as misses come in a row (free-form text then costs ~nothing; each miss
+    costs a wider forward pass, and on bounded caches one more forward to re-feed)."""
 
     def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT):
         self.length, self.most = start, most
@@ -105,7 +105,7 @@ class Policy:
         else:
             self.length = max(1, accepted + 1)
             self.misses = self.misses + 1 if accepted == 0 else 0
-            self.skip = self.misses
+            self.skip = min(16, 2 ** (self.misses - 1)) if self.misses else 0
 
 
 @dataclass(frozen=True)

@@ -181,7 +181,8 @@ def test_ngram_index_finds_the_latest_longest_match():
     idx = speculative.NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
     assert idx.draft(2) == [4, 9]  # "1 2 3" (longest) wins over the later "2 3" -> 5 6
     idx.tokens[-3:] = [7, 2, 3]  # (only "2 3" matches now: its latest continuation)
-    assert speculative.NgramIndex(idx.tokens).draft(2) == [5, 6]
+    assert speculative.NgramIndex(idx.tokens).draft(2, min_ngram=2) == [5, 6]
+    assert speculative.NgramIndex(idx.tokens).draft(2, min_ngram=3) == []
     idx = speculative.NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3, 4])
     assert idx.draft(3) == [9, 2, 3]
     assert idx.draft(3, stop={2}) == [9]
