@@ -35,17 +35,20 @@ def main():
             die()
         Engine.prefill = prefill
     elif mode in ("kill-decode", "slow-decode"):
-        real_decode = Engine.decode
+        from localchat import speculative
 
-        def decode(self, *a, **kw):
-            for n, tok in enumerate(real_decode(self, *a, **kw)):
+        # Every turn decodes through here, plain or with prompt lookup.
+        real_decode = speculative.decode
+
+        def decode(*a, **kw):
+            for n, tok in enumerate(real_decode(*a, **kw)):
                 if mode == "kill-decode" and n == 3:
                     die()
                 if mode == "slow-decode":
                     time.sleep(0.05)
                     print("", end="", flush=True)
                 yield tok
-        Engine.decode = decode
+        speculative.decode = decode
     elif mode in ("kill-segment", "kill-checkpoint", "kill-manifest"):
         real_replace = os.replace
 
