@@ -87,10 +87,19 @@ class Policy:
     1, 2, 4 … 16 steps as misses come in a row (free-form text then costs ~nothing; each miss
     costs a wider forward pass, and on bounded caches one more forward to re-feed)."""
 
-    def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT):
+    def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT,
+                 min_ngram: int = MIN_NGRAM):
         self.length, self.most = start, most
         self.misses = 0
         self.skip = 0
+        self.base = min_ngram
+        self.hot = False  # the last draft kept tokens: the reply is copying
+
+    @property
+    def min_ngram(self) -> int:
+        """Shortest match that drafts: one token shorter while the reply is copying, so a
+        copy that changed a word (a renamed variable) is picked up again a token sooner."""
+        return self.base - 1 if self.hot else self.base
 
     def want(self) -> int:
         if self.skip:
@@ -99,6 +108,7 @@ class Policy:
         return self.length
 
     def update(self, drafted: int, accepted: int) -> None:
+        self.hot = accepted > 0
         if accepted == drafted:
             self.length = min(self.most, self.length * 2)
             self.misses = 0
@@ -243,9 +253,8 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
     model, eos = engine.model, frozenset(engine.eos_ids)
     picker = Picker(options.temp, options.top_p)
     index = NgramIndex(context)
-    policy = Policy()
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
-    min_ngram = MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM
+    policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
     y = int(picker.sample(logits).item())
     n = 0  # tokens yielded
     while True:
@@ -259,7 +268,7 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
         index.append(y)
         # Drafts stay before the last allowed token, which is fed only when read on.
         want = min(policy.want(), max_tokens - 2 - n)
-        draft = index.draft(want, min_ngram, eos) if want > 0 else []
+        draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
             nxt = picker.sample(model(mx.array([[y]]), cache=cache)[:, -1, :])
             mx.async_eval(nxt)
