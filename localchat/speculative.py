@@ -3,7 +3,7 @@
 What it is: ``decode`` — a drop-in for ``Engine.decode`` with the same contract (every yielded
 token is fed before the next one is yielded, an EOS is never fed, the last allowed token is fed
 only when the caller reads on, and a caller that stops reading finds the cache holding exactly
-the tokens it was given). At each step the last few tokens (an n-gram of 2-4) are looked up in
+the tokens it was given). At each step the last few tokens (an n-gram of 3-5) are looked up in
 the context (prompt + reply so far, ``NgramIndex``); where they occurred before, the tokens that
 followed are the draft. One forward pass over the pending token and the draft gives the model's
 choice after each of them (``speculative_step``): the longest agreeing prefix is kept, plus the
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from .kvcache import kinds as ck
 
-MIN_NGRAM = 2  # shortest suffix looked up (1 matches everywhere and is mostly wrong)
-MAX_NGRAM = 4  # longest suffix looked up; a longer match is found through its last 4 tokens
+MIN_NGRAM = 3  # shortest suffix looked up: in free text 2-token matches were mostly wrong
+MAX_NGRAM = 5  # longest suffix looked up; a longer match is found through its last 5 tokens
 MAX_DRAFT = 10  # most tokens verified at once (see ``Policy``; measured in scripts/bench_decode)
 START_DRAFT = 4
 
@@ -48,7 +48,7 @@ class LookupStats:
 
 
 class NgramIndex:
-    """The context's n-grams (MIN_NGRAM..MAX_NGRAM long), each mapped to the position of the
+    """The context's n-grams (2..MAX_NGRAM long), each mapped to the position of the
     token after its latest occurrence; extended as tokens come. Lookups cost O(MAX_NGRAM)."""
 
     def __init__(self, tokens: Sequence[int]):
@@ -60,7 +60,7 @@ class NgramIndex:
     def append(self, tok: int) -> None:
         toks, end = self.tokens, len(self.tokens)
         # The n-grams ending just before ``tok`` now have a continuation: ``tok``.
-        for n in range(MIN_NGRAM, min(MAX_NGRAM, end) + 1):
+        for n in range(2, min(MAX_NGRAM, end) + 1):
             self.table[tuple(toks[end - n:end])] = end
         toks.append(tok)
 
@@ -83,14 +83,23 @@ class NgramIndex:
 
 class Policy:
     """How long the next draft is. Doubles after a fully accepted draft (copying), falls to what
-    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for as
-    many steps as misses came in a row (free-form text then costs ~nothing; each miss costs a
-    slightly wider forward pass, and on bounded caches one more forward to re-feed)."""
+    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for
+    1, 2, 4 … 16 steps as misses come in a row (free-form text then costs ~nothing; each miss
+    costs a wider forward pass, and on bounded caches one more forward to re-feed)."""
 
-    def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT):
+    def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT,
+                 min_ngram: int = MIN_NGRAM):
         self.length, self.most = start, most
         self.misses = 0
         self.skip = 0
+        self.base = min_ngram
+        self.hot = False  # the last draft kept tokens: the reply is copying
+
+    @property
+    def min_ngram(self) -> int:
+        """Shortest match that drafts: one token shorter while the reply is copying, so a
+        copy that changed a word (a renamed variable) is picked up again a token sooner."""
+        return self.base - 1 if self.hot else self.base
 
     def want(self) -> int:
         if self.skip:
@@ -99,13 +108,14 @@ class Policy:
         return self.length
 
     def update(self, drafted: int, accepted: int) -> None:
+        self.hot = accepted > 0
         if accepted == drafted:
             self.length = min(self.most, self.length * 2)
             self.misses = 0
         else:
             self.length = max(1, accepted + 1)
             self.misses = self.misses + 1 if accepted == 0 else 0
-            self.skip = self.misses
+            self.skip = min(16, 2 ** (self.misses - 1)) if self.misses else 0
 
 
 @dataclass(frozen=True)
@@ -262,9 +272,8 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
     model, eos = engine.model, frozenset(engine.eos_ids)
     picker = Picker(options.temp, options.top_p, engine.hidden_ids - engine.eos_ids)
     index = NgramIndex(context)
-    policy = Policy()
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
-    min_ngram = MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM
+    policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
     y = int(picker.sample(logits).item())
     n = 0  # tokens yielded
     while True:
@@ -278,7 +287,7 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
         index.append(y)
         # Drafts stay before the last allowed token, which is fed only when read on.
         want = min(policy.want(), max_tokens - 2 - n)
-        draft = index.draft(want, min_ngram, eos) if want > 0 else []
+        draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
             nxt = picker.sample(model(mx.array([[y]]), cache=cache)[:, -1, :])
             mx.async_eval(nxt)

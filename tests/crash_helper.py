@@ -35,23 +35,19 @@ def main():
             die()
         Engine.prefill = prefill
     elif mode in ("kill-decode", "slow-decode"):
-        # Every lone turn's decode (plain or prompt lookup) comes through speculative.decode.
         from localchat import speculative
 
+        # Every turn decodes through here, plain or with prompt lookup.
         real_decode = speculative.decode
 
         def decode(*a, **kw):
-            steps = real_decode(*a, **kw)
-            try:
-                for n, tok in enumerate(steps):
-                    if mode == "kill-decode" and n == 3:
-                        die()
-                    if mode == "slow-decode":
-                        time.sleep(0.05)
-                        print("", end="", flush=True)
-                    yield tok
-            finally:
-                steps.close()
+            for n, tok in enumerate(real_decode(*a, **kw)):
+                if mode == "kill-decode" and n == 3:
+                    die()
+                if mode == "slow-decode":
+                    time.sleep(0.05)
+                    print("", end="", flush=True)
+                yield tok
         speculative.decode = decode
     elif mode in ("kill-segment", "kill-checkpoint", "kill-manifest"):
         real_replace = os.replace

@@ -181,7 +181,8 @@ def test_ngram_index_finds_the_latest_longest_match():
     idx = speculative.NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3])
     assert idx.draft(2) == [4, 9]  # "1 2 3" (longest) wins over the later "2 3" -> 5 6
     idx.tokens[-3:] = [7, 2, 3]  # (only "2 3" matches now: its latest continuation)
-    assert speculative.NgramIndex(idx.tokens).draft(2) == [5, 6]
+    assert speculative.NgramIndex(idx.tokens).draft(2, min_ngram=2) == [5, 6]
+    assert speculative.NgramIndex(idx.tokens).draft(2, min_ngram=3) == []
     idx = speculative.NgramIndex([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3, 4])
     assert idx.draft(3) == [9, 2, 3]
     assert idx.draft(3, stop={2}) == [9]
@@ -299,3 +300,22 @@ def test_sampled_turns_speculate_and_stay_reproducible(engine, monkeypatch):
     a, _, _ = decode_run(engine, COPY, "lookup", temp=0.7, seed=3)
     b, _, _ = decode_run(engine, COPY, "lookup", temp=0.7, seed=3)
     assert a.lookup.drafted > 0 and a.generated == b.generated
+
+
+def test_drafting_backs_off_after_misses_and_warms_up_while_copying():
+    p = speculative.Policy(start=4, most=10, min_ngram=3)
+    assert (p.want(), p.min_ngram) == (4, 3)
+    p.update(4, 4)
+    assert (p.want(), p.min_ngram) == (8, 2)  # whole draft kept: longer, shorter matches
+    p.update(8, 8)
+    assert p.want() == 10
+    p.update(10, 3)
+    assert (p.want(), p.min_ngram) == (4, 2)
+    skipped = []
+    for _ in range(3):  # misses in a row: 1, 2, then 4 plain steps before drafting again
+        p.update(p.length, 0)
+        n = 0
+        while p.want() == 0:
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 2, 4] and p.min_ngram == 3
