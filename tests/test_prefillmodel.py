@@ -90,6 +90,7 @@ class FakeEngine:
 
     def __init__(self, clock: Clock, spikes=()):
         self.clock, self.spikes, self.calls = clock, set(spikes), 0
+        self.busy = 1.0  # every prefill this many times slower (the whole machine busy)
 
     def encode(self, text: str) -> list[int]:
         return list(range(len(text.split())))
@@ -102,7 +103,7 @@ class FakeEngine:
 
         self.calls += 1
         cost = TRUE.full(len(tokens)) - 0.75
-        self.clock.t += cost * (5 if self.calls in self.spikes else 1)
+        self.clock.t += cost * (5 if self.calls in self.spikes else 1) * self.busy
         yield len(tokens), len(tokens)
         return mx.zeros((1, 4))
 
@@ -118,7 +119,7 @@ def test_a_calibration_is_measured_once_and_kept(home):
     assert model.source == "calibration" and "calibration" in model.describe()
     assert model.full(3000) == pytest.approx(TRUE.full(3000) - 0.75, rel=0.02)
     measured = engine.calls
-    assert measured == 1 + len(prefillmodel.CALIBRATION) * prefillmodel.REPEATS
+    assert measured == 2 + len(prefillmodel.CALIBRATION) * prefillmodel.REPEATS  # (warm-ups)
     again = calibrated(engine, clock)
     assert engine.calls == measured and again == model  # read back, not measured again
     files = list((home / "prefill-models").glob("*.json"))
@@ -191,6 +192,28 @@ def test_a_calibration_takes_the_turns_own_overhead_into_its_fixed_part(home):
     # Turns faster than the calibration (a quieter moment) never make the overhead negative.
     quick = [Turn(t.prompt_tokens, t.cached_tokens, 0.001) for t in turns]
     assert prefillmodel.for_conversation(engine, quick, clock=clock).overhead_s == 0.0
+
+
+def test_a_calibration_made_on_a_busy_machine_heals(home):
+    """Calibrated while everything ran 3x slower; the conversation's turns then run at the
+    machine's speed, faster than that calibration says a prefill alone can: it is measured
+    again and the faster run of each length kept (on disk too)."""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    engine.busy = 3.0
+    busy = calibrated(engine, clock)
+    engine.busy = 1.0
+    bare = PrefillModel(0.06, 0.002, 2e-7, "truth", 0)  # the fake's prefill, 10 ms more
+    turns = turns_of(bare, [(0, 60), (60, 50), (110, 40)])
+    model = prefillmodel.for_conversation(engine, turns, clock=clock)
+    assert busy.full(2000) > 2.5 * model.full(2000)
+    assert model.full(2000) == pytest.approx(bare.full(2000), rel=0.02)
+    assert calibrated(engine, clock).full(2000) < busy.full(2000) / 2.5  # kept
+    # (the control: turns as slow as the calibration do not trigger a new measurement)
+    measured = engine.calls
+    slow_turns = [Turn(t.prompt_tokens, t.cached_tokens, 5.0) for t in turns]
+    prefillmodel.for_conversation(engine, slow_turns, clock=clock)
+    assert engine.calls == measured
 
 
 @pytest.mark.slow
