@@ -219,16 +219,18 @@ def test_a_calibration_made_on_a_busy_machine_heals(home):
 @pytest.mark.slow
 def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home, capsys):
     """The calibration (a few hundred tokens) against a measured full prefill of a prompt
-    twice its longest run: the ratio, measured here (the fastest of two runs of each, as the
-    calibration takes them; a busy machine only ever adds time)."""
+    2.5 times its longest run: the ratio, measured here. Both take the fastest of their
+    runs, interleaved (a busy machine only ever adds time, and then to both alike)."""
     from localchat.engine import Engine
 
     engine = Engine.load(None)
-    model = prefillmodel.calibration(engine)
-    assert model is not None and model.source == "calibration"
     ids = engine.encode(" ".join(f"Item {i} of the list is ready." for i in range(120)))[:800]
-    measured = min(prefillmodel.run_prefill(engine, ids, prefillmodel.time.perf_counter)
-                   for _ in range(2))
+    measured = math.inf
+    for _ in range(2):
+        model = prefillmodel.calibration(engine, again=True)  # the fastest of each so far
+        measured = min(measured, prefillmodel.run_prefill(engine, ids,
+                                                          prefillmodel.time.perf_counter))
+    assert model is not None and model.source == "calibration"
     ratio = model.full(len(ids)) / measured
     with capsys.disabled():
         print(f"\nprefill model on the default model: {len(ids)} tokens estimated "
