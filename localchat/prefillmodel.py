@@ -177,16 +177,19 @@ def from_turns(turns: Sequence) -> PrefillModel | None:
 
 
 def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
-                     clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
+                     clock: Callable[[], float] = time.perf_counter,
+                     progress: Callable[[str], None] | None = None) -> PrefillModel | None:
     """The model for a conversation's figures: its own turns when they can say, else this
     model's calibration on this machine (measured now if there is none and
-    ``calibrate_now``; it takes seconds, on the thread that runs the model)."""
+    ``calibrate_now``; it takes seconds, on the thread that runs the model, and
+    ``progress`` is told first)."""
     fitted = from_turns(turns)
     if fitted is not None:
         return fitted
-    calibrated = calibration(engine, measure=calibrate_now, clock=clock)
+    calibrated = calibration(engine, measure=calibrate_now, clock=clock, progress=progress)
     if calibrated is not None and calibrate_now and slower_than_turns(calibrated, turns):
-        calibrated = calibration(engine, again=True, clock=clock) or calibrated
+        calibrated = calibration(engine, again=True, clock=clock,
+                                 progress=progress) or calibrated
     return with_turn_overhead(calibrated, turns) if calibrated is not None else None
 
 
@@ -230,7 +233,8 @@ def calibration_path(key: str):
 
 
 def calibration(engine, *, measure: bool = True, again: bool = False,
-                clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
+                clock: Callable[[], float] = time.perf_counter,
+                progress: Callable[[str], None] | None = None) -> PrefillModel | None:
     """This model's calibration on this machine: read back, or measured and kept.
 
     ``again``: measure even if one is kept, and keep the faster run of each length, old or
@@ -244,6 +248,8 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
         return fit(kept, "calibration")
     if not measure:
         return None
+    if progress is not None:
+        progress("measuring this model's prefill speed on this machine (a few seconds, once)")
     fastest: dict[tuple[int, int], Sample] = {}
     for s in (kept or []) + measure_prefills(engine, clock=clock):
         if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
