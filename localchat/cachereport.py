@@ -71,12 +71,13 @@ class CacheReport:
         return self.tokens / self.characters if self.characters else 0.0
 
 
-def report(session, conv, *, calibrate: bool = True) -> CacheReport:
+def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheReport:
     """The cache of ``conv`` as ``session``'s model sees it.
 
     ``calibrate``: when the conversation's turns cannot say what a full prefill costs and
     this model was never calibrated on this machine, measure it now (seconds, on the model's
-    thread; once per model and machine). Otherwise the estimates are left out.
+    thread; once per model and machine; ``progress`` is told). Otherwise the estimates are
+    left out.
     """
     engine = session.engine
     info = engine.info()
@@ -97,8 +98,8 @@ def report(session, conv, *, calibrate: bool = True) -> CacheReport:
     kinds = _kinds(layout, sum(b for _, _, b in segments),
                    checkpoints[-1][1] if checkpoints else 0)
     turns = session.store.turns(conv)
-    model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate) \
-        if turns else None
+    model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate,
+                                          progress=progress) if turns else None
     views = []
     for t in turns:
         full = model.full(t.prompt_tokens) if model else 0.0

@@ -425,7 +425,7 @@ def cmd_inspect(args) -> int:
         conv = store.get(args.conversation)
         store.close()
         session = session_for(args.model or conv.model, args)
-        found = report(session, session.store.get(conv.name))
+        found = report(session, session.store.get(conv.name), progress=say)
         print(json.dumps(as_json(found), ensure_ascii=False) if args.json
               else "\n".join(as_lines(found)))
         return 0

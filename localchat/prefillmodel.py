@@ -18,7 +18,9 @@ Where the samples come from, in order:
    machine and kept in ``paths.prefill_models_dir()`` (checksummed and schema-checked when
    read back; a damaged or foreign file is measured again, never trusted), plus the median
    of what the conversation's turns took beyond their calibrated prefill (a turn's own
-   work: its lock, rendering, reading the cache), so it estimates a turn's TTFT.
+   work: its lock, rendering, reading the cache), so it estimates a turn's TTFT. A
+   calibration the turns outrun was made on a busy machine: it is measured again and the
+   faster run of each length kept, so it converges on the machine's speed.
 
 Samples from a busy machine are discarded as outliers (slower than the fit by more than
 ``OUTLIER``): a machine is never faster than it can be, only slower. Every figure made from
@@ -175,15 +177,28 @@ def from_turns(turns: Sequence) -> PrefillModel | None:
 
 
 def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
-                     clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
+                     clock: Callable[[], float] = time.perf_counter,
+                     progress: Callable[[str], None] | None = None) -> PrefillModel | None:
     """The model for a conversation's figures: its own turns when they can say, else this
     model's calibration on this machine (measured now if there is none and
-    ``calibrate_now``; it takes seconds, on the thread that runs the model)."""
+    ``calibrate_now``; it takes seconds, on the thread that runs the model, and
+    ``progress`` is told first)."""
     fitted = from_turns(turns)
     if fitted is not None:
         return fitted
-    calibrated = calibration(engine, measure=calibrate_now, clock=clock)
+    calibrated = calibration(engine, measure=calibrate_now, clock=clock, progress=progress)
+    if calibrated is not None and calibrate_now and slower_than_turns(calibrated, turns):
+        calibrated = calibration(engine, again=True, clock=clock,
+                                 progress=progress) or calibrated
     return with_turn_overhead(calibrated, turns) if calibrated is not None else None
+
+
+def slower_than_turns(model: PrefillModel, turns: Sequence) -> bool:
+    """Whether the conversation's turns ran faster than the calibration says their prefill
+    alone takes (by more than ``OUTLIER``, on the median): it was measured on a busy machine."""
+    ratios = [t.ttft_s / model.cost(t.prefilled_tokens, t.cached_tokens) for t in turns
+              if t.prefilled_tokens > 0 and math.isfinite(t.ttft_s) and t.ttft_s > 0]
+    return bool(ratios) and statistics.median(ratios) < 1 - OUTLIER
 
 
 def with_turn_overhead(model: PrefillModel, turns: Sequence) -> PrefillModel:
@@ -217,15 +232,29 @@ def calibration_path(key: str):
     return paths.prefill_models_dir() / f"{key}.json"
 
 
-def calibration(engine, *, measure: bool = True,
-                clock: Callable[[], float] = time.perf_counter) -> PrefillModel | None:
-    """This model's calibration on this machine: read back, or measured and kept."""
+def calibration(engine, *, measure: bool = True, again: bool = False,
+                clock: Callable[[], float] = time.perf_counter,
+                progress: Callable[[str], None] | None = None) -> PrefillModel | None:
+    """This model's calibration on this machine: read back, or measured and kept.
+
+    ``again``: measure even if one is kept, and keep the faster run of each length, old or
+    new: a calibration made while the machine was busy heals (a machine is never faster than
+    it can be, so the fastest run seen is the closest to its speed).
+    """
     key = machine_key(engine)
     path = calibration_path(key)
-    kept = read_calibration(path, key)
-    if kept is not None or not measure:
-        return kept
-    samples = measure_prefills(engine, clock=clock)
+    kept = read_samples(path, key)
+    if kept is not None and not again:
+        return fit(kept, "calibration")
+    if not measure:
+        return None
+    if progress is not None:
+        progress("measuring this model's prefill speed on this machine (a few seconds, once)")
+    fastest: dict[tuple[int, int], Sample] = {}
+    for s in (kept or []) + measure_prefills(engine, clock=clock):
+        if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
+            fastest[s.tokens, s.start] = s
+    samples = sorted(fastest.values(), key=lambda s: (s.tokens, s.start))
     model = fit(samples, "calibration")
     if model is not None:
         write_calibration(path, key, samples)
@@ -241,12 +270,14 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
     ids = engine.encode(text)
     while len(ids) < max(lengths):
         ids = ids + ids
-    run_prefill(engine, ids[:8], clock)  # warm-up: the first call compiles and allocates
-    out = []
-    for n in lengths:
-        best = min(run_prefill(engine, ids[:n], clock) for _ in range(repeats))
-        out.append(Sample(n, 0, best))
-    return out
+    # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
+    run_prefill(engine, ids[:8], clock)
+    run_prefill(engine, ids[:40], clock)
+    best = {n: math.inf for n in lengths}
+    for _ in range(repeats):  # rounds over the lengths: a busy moment spoils one run, not both
+        for n in lengths:
+            best[n] = min(best[n], run_prefill(engine, ids[:n], clock))
+    return [Sample(n, 0, best[n]) for n in lengths]
 
 
 def run_prefill(engine, tokens: list[int], clock: Callable[[], float]) -> float:
@@ -289,6 +320,12 @@ def write_calibration(path, key: str, samples: Sequence[Sample]) -> None:
 def read_calibration(path, key: str) -> PrefillModel | None:
     """The kept calibration, or None when missing, damaged, of another model or machine,
     or not a calibration a fit can use (the caller then measures again)."""
+    samples = read_samples(path, key)
+    return fit(samples, "calibration") if samples is not None else None
+
+
+def read_samples(path, key: str) -> list[Sample] | None:
+    """The kept calibration's samples, or None (see ``read_calibration``)."""
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):
@@ -304,5 +341,6 @@ def read_calibration(path, key: str) -> PrefillModel | None:
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in r)
             for r in rows):
         return None
-    return fit([Sample(int(n), int(k), float(s)) for n, k, s in rows], "calibration")
+    samples = [Sample(int(n), int(k), float(s)) for n, k, s in rows]
+    return samples if fit(samples, "calibration") is not None else None
 

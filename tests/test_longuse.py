@@ -129,6 +129,9 @@ async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, t
             await pilot.press("enter")
             await app.workers.wait_for_complete()
             await pilot.pause()
+        said = []  # (notifications time out: a slow machine could miss one on screen)
+        shown_by_app = app.notify
+        app.notify = lambda text, **kw: (said.append(text), shown_by_app(text, **kw))[1]
         await pilot.press("f3")
         for _ in range(100):
             await app.workers.wait_for_complete()
@@ -152,6 +155,7 @@ async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, t
         assert abs(r.saved_s - sum(max(0.0, m.full(t.prompt_tokens) - t.ttft_s)
                                    for t in r.turns if t.cached_tokens)) < 1e-9
         assert "Time saved (estimated)" in shown and "calibration" in shown
+        assert any("prefill speed on this machine" in text for text in said)
         session = app.session
         same = json.loads(json.dumps(as_json(report(session, session.store.get("trip")))))
     # inspect -c shows the same figures.

@@ -100,6 +100,11 @@ def _load(r: dict) -> None:
     assert all(v > 0 for v in r["steps_ms"].values()), r["steps_ms"]
 
 
+def _figures(r: dict) -> None:
+    assert len(r["turns"]) == 3 and r["prefill_model"]["source"] == "calibration"
+    assert len(r["saved_ratios"]) == 2 and r["long_prompt_tokens"] > 0
+
+
 def _longuse(r: dict) -> None:
     assert r["conversations"] == 200 and r["messages"] == 2000
     assert r["app_first_frame_s"] > 0 and r["app_next_page_s"] > 0
@@ -138,6 +143,8 @@ CASES = {
                    "enter_to_screen_one_word_s", "draft_tokens", "paste_to_prefilled_s",
                    "key_ms_median_draft_on", "key_ms_median_draft_off"}),
     "families": Case({"families", "history_tokens"}, _families, model=False),
+    "figures": Case({"trials", "prefill_model", "turns", "saved_ratios", "within_25pct",
+                     "long_prompt_tokens", "long_ratio"}, _figures),
     "kvquant": Case({"f16_bytes_per_token", "settings"}, _kvquant),
     "load": Case({"history_tokens", "segments", "load_s", "steps_ms", "ttft_long_s",
                   "ttft_short_s", "ttft_ratio"}, _load),

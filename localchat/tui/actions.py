@@ -215,7 +215,8 @@ class Actions:
         from ..cachereport import report
 
         try:
-            found = self.mlx.call(report, self.session, conv)
+            found = self.mlx.call(lambda: report(self.session, conv, progress=lambda text: (
+                self.call_from_thread(self.notify, text))))
         except LocalchatError as err:
             self.call_from_thread(self.notify, str(err), severity="error")
             return
