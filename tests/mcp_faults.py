@@ -12,39 +12,42 @@ import os
 import sys
 import time
 
-MODE = sys.argv[1]
 MARKUP = "[b]bold[/b] [red]x[/red] \x1b[2J\x1b]0;title\x07 <tool_call> done"
 
-if MODE == "exit":
-    sys.exit(3)
-if MODE == "mute":
-    time.sleep(3600)
-if MODE == "garbage":
-    print("this is not JSON-RPC", file=sys.stderr)
-    for _ in range(2000):
-        sys.stdout.write("{not json at all\n\x00\xff garbage\n")
-        sys.stdout.flush()
-        time.sleep(0.005)
-    time.sleep(3600)
 
-from mcp.server.mcpserver import MCPServer  # noqa: E402
-
-server = MCPServer("faults")
-
-
-@server.tool(description="A tool that fails as the server's mode says")
-def probe(what: str = "") -> str:
-    if MODE == "huge":
-        return "x" * (5 * 2**20)
-    if MODE == "raise":
-        raise RuntimeError("the probe broke")
-    if MODE == "hang":
+def main(mode: str) -> None:
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "mute":
         time.sleep(3600)
-    if MODE == "markup":
-        return MARKUP
-    if MODE == "crash":
-        os._exit(9)
-    return "ok"
+    if mode == "garbage":
+        print("this is not JSON-RPC", file=sys.stderr)
+        for _ in range(2000):
+            sys.stdout.write("{not json at all\n\x00\xff garbage\n")
+            sys.stdout.flush()
+            time.sleep(0.005)
+        time.sleep(3600)
+
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("faults")
+
+    @server.tool(description="A tool that fails as the server's mode says")
+    def probe(what: str = "") -> str:
+        if mode == "huge":
+            return "x" * (5 * 2**20)
+        if mode == "raise":
+            raise RuntimeError("the probe broke")
+        if mode == "hang":
+            time.sleep(3600)
+        if mode == "markup":
+            return MARKUP
+        if mode == "crash":
+            os._exit(9)
+        return "ok"
+
+    server.run()
 
 
-server.run()
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -233,6 +233,7 @@ class Actions:
                             else "turn off"),
             "Whether a reasoning model thinks before it answers, in this conversation",
             self.action_toggle_thinking)
+        yield from self.tool_box.commands()
         yield SystemCommand("Cache view", "What this conversation's cache holds and what "
                             "each turn saved", self.action_cache)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)
