@@ -6,6 +6,7 @@ approved in the dialog, shown as its own block, stored, and shown again after a 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -162,3 +163,38 @@ async def test_turning_a_server_off_re_renders_as_tools_changed(home, tool_engin
         await type_and_send(pilot, "More")
         await settle(app, pilot)
         assert "miss: tools changed" in str(app.query_one("StatusBar").render())
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="runs the app in a pseudo-terminal")
+def test_a_call_in_a_real_terminal(home, tool_model):  # noqa: F811
+    """The app in a pty (``scripted_serve.py`` runs any command with scripted replies): the
+    dialog, the approval key and the reply after the call reach the terminal,
+    nothing from the server's stderr does, and the turn is stored."""
+    from ptyapp import PtyApp
+
+    from localchat.store import Store
+
+    configure(home, {"time": time_server()})
+    script = Path(__file__).parent / "scripted_serve.py"
+    app = PtyApp([sys.executable, str(script), "chat", "-c", "pty", "-m", str(tool_model)],
+                 {"LOCALCHAT_HOME": str(home), "LOCALCHAT_DRAFT_PREFILL": "0",
+                  "PYTHONPATH": os.pathsep.join(sys.path),
+                  "SCRIPTED_REPLIES": json.dumps([TIME_CALL, "Known now."])},
+                 rows=40, cols=120)
+    try:
+        app.wait_for(b"ctx ", 90)  # the model is loaded
+        app.write(b"What time is it?\r")
+        app.wait_for(b"calls the tool get_current_time", 90)
+        app.write(b"a")
+        app.wait_for(b"Known now.", 60)
+        app.write(b"\x11")  # Ctrl+Q
+        code = app.wait_exit(30)
+    finally:
+        app.kill()
+    assert code == 0 and b"Traceback" not in app.screen
+    assert b"INFO" not in app.screen  # the server's own log stayed in its log file
+    store = Store.open(home / "localchat.db")
+    msgs = store.messages(store.get("pty"))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[2].extra["outcome"] == "ran" and "UTC" in msgs[2].content
+    store.close()
