@@ -326,3 +326,21 @@ def test_results_that_do_not_fit_the_context_are_told_not_stored_half(
     assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
     assert msgs[2].content == TOO_LONG
     store.close()
+
+
+def test_several_calls_in_one_reply_each_get_a_result(home, tmp_path, tool_model, scripted,
+                                                      capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    seoul = TIME_CALL.replace('"UTC"', '"Asia/Seoul"')
+    scripted([TIME_CALL + seoul, "Both known."])
+    code, out, err = ask(capsys, tool_model, "-c", "two", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "get_current_time", "Time here and in Seoul?")
+    got = json.loads(out)
+    assert code == 0 and got["reply"] == "Both known."
+    assert [c["arguments"]["timezone"] for c in got["tool_calls"]] == ["UTC", "Asia/Seoul"]
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("two"))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [json.loads(m.content)["timezone"] for m in msgs[2:4]] == ["UTC", "Asia/Seoul"]
+    assert [m.extra["tool_call_id"] for m in msgs[2:4]] == ["call_0_0", "call_0_1"]
+    store.close()
