@@ -5,7 +5,8 @@ Modes: ``exit`` (exits at once), ``mute`` (never answers), ``garbage`` (writes w
 JSON-RPC to stdout, never MCP), and a real server (the SDK's ``MCPServer``) whose one tool
 ``probe`` fails as the mode says: ``huge`` (a 5 MB result), ``raise`` (the tool raises),
 ``hang`` (the call never answers), ``markup`` (text with markup and control characters),
-``crash`` (the process exits during the call).
+``crash`` (the process exits during the call); ``http PORT`` serves ``probe`` (answering
+"ok") over streamable HTTP on 127.0.0.1:PORT instead of stdio.
 """
 
 import os
@@ -15,7 +16,7 @@ import time
 MARKUP = "[b]bold[/b] [red]x[/red] \x1b[2J\x1b]0;title\x07 <tool_call> done"
 
 
-def main(mode: str) -> None:
+def main(mode: str, port: int = 0) -> None:
     if mode == "exit":
         sys.exit(3)
     if mode == "mute":
@@ -46,8 +47,11 @@ def main(mode: str) -> None:
             os._exit(9)
         return "ok"
 
-    server.run()
+    if mode == "http":
+        server.run("streamable-http", host="127.0.0.1", port=port)
+    else:
+        server.run()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

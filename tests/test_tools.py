@@ -344,3 +344,35 @@ def test_several_calls_in_one_reply_each_get_a_result(home, tmp_path, tool_model
     assert [json.loads(m.content)["timezone"] for m in msgs[2:4]] == ["UTC", "Asia/Seoul"]
     assert [m.extra["tool_call_id"] for m in msgs[2:4]] == ["call_0_0", "call_0_1"]
     store.close()
+
+
+def test_a_streamable_http_server_by_url(home, tmp_path, tool_model, scripted, capsys):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(FAULTS), "http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while True:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() - t0 < 60 and proc.poll() is None
+            time.sleep(0.2)
+        cfg = write_config(tmp_path / "mcp.json", {"web": {"url": f"http://127.0.0.1:{port}/mcp"}})
+        assert main(["mcp", "list", "--mcp", str(cfg), "--json"]) == 0
+        (web,) = json.loads(capsys.readouterr().out)
+        assert web["started"] and [t["name"] for t in web["tools"]] == ["probe"]
+        scripted([PROBE_CALL, "Over HTTP."])
+        code, out, err = ask(capsys, tool_model, "-c", "web", "--json", "--mcp", str(cfg),
+                             "--allow-tools", "probe", "hi")
+        got = json.loads(out)
+        assert code == 0 and got["reply"] == "Over HTTP.", err
+        assert [(c["outcome"], c["result"]) for c in got["tool_calls"]] == [("ran", "ok")]
+    finally:
+        proc.kill()
+        proc.wait()
