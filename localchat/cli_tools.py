@@ -89,8 +89,8 @@ def cmd_mcp(args) -> int:
 def ask_with_tools(session, conv, prompt: str, options, cancel, args, calls: list):
     """``ask``'s events with tools: the reply's call markup kept off stdout, each call said
     on stderr (unless --json), the calls' records appended to ``calls``."""
-    from .replies import ToolHold, tool_markers
-    from .tools.turns import allow_listed, turn_with_tools
+    from .replies import tool_markers
+    from .tools.turns import allow_listed, turn_with_tools, without_call_markup
 
     allowed = {n.strip() for n in (args.allow_tools or "").split(",") if n.strip()}
     markers = tool_markers(session.engine)
@@ -102,21 +102,13 @@ def ask_with_tools(session, conv, prompt: str, options, cancel, args, calls: lis
         unknown = sorted(n for n in allowed if tools.find(n) is None)
         if unknown:
             say(f"--allow-tools names {', '.join(unknown)}, which no running server offers")
-        hold = ToolHold(markers[0])
-        for ev in turn_with_tools(session, conv, prompt, options, cancel, tools,
-                                  allow_listed(allowed)):
-            if isinstance(ev, ReplyChunk):
-                text = hold.add(ev.text)
-                if text:
-                    yield ReplyChunk(text)
+        events = turn_with_tools(session, conv, prompt, options, cancel, tools,
+                                 allow_listed(allowed))
+        for ev in without_call_markup(events, markers[0]):
+            if isinstance(ev, TurnFinished) and ev.tool_calls and ev.reply and not args.json:
+                yield ev
+                yield ReplyChunk("\n")  # (the text before a call, then the calls on stderr)
                 continue
-            if isinstance(ev, TurnFinished):
-                rest = "" if ev.tool_calls else hold.end()
-                if rest:
-                    yield ReplyChunk(rest)
-                hold = ToolHold(markers[0])
-                if ev.tool_calls and ev.reply and not args.json:
-                    yield ReplyChunk("\n")
             if isinstance(ev, ToolCallFinished):
                 calls.append(ev.public())
                 if not args.json:

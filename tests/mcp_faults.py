@@ -5,46 +5,53 @@ Modes: ``exit`` (exits at once), ``mute`` (never answers), ``garbage`` (writes w
 JSON-RPC to stdout, never MCP), and a real server (the SDK's ``MCPServer``) whose one tool
 ``probe`` fails as the mode says: ``huge`` (a 5 MB result), ``raise`` (the tool raises),
 ``hang`` (the call never answers), ``markup`` (text with markup and control characters),
-``crash`` (the process exits during the call).
+``crash`` (the process exits during the call); ``http PORT`` serves ``probe`` (answering
+"ok") over streamable HTTP on 127.0.0.1:PORT instead of stdio.
 """
 
 import os
 import sys
 import time
 
-MODE = sys.argv[1]
 MARKUP = "[b]bold[/b] [red]x[/red] \x1b[2J\x1b]0;title\x07 <tool_call> done"
 
-if MODE == "exit":
-    sys.exit(3)
-if MODE == "mute":
-    time.sleep(3600)
-if MODE == "garbage":
-    print("this is not JSON-RPC", file=sys.stderr)
-    for _ in range(2000):
-        sys.stdout.write("{not json at all\n\x00\xff garbage\n")
-        sys.stdout.flush()
-        time.sleep(0.005)
-    time.sleep(3600)
 
-from mcp.server.mcpserver import MCPServer  # noqa: E402
-
-server = MCPServer("faults")
-
-
-@server.tool(description="A tool that fails as the server's mode says")
-def probe(what: str = "") -> str:
-    if MODE == "huge":
-        return "x" * (5 * 2**20)
-    if MODE == "raise":
-        raise RuntimeError("the probe broke")
-    if MODE == "hang":
+def main(mode: str, port: int = 0) -> None:
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "mute":
         time.sleep(3600)
-    if MODE == "markup":
-        return MARKUP
-    if MODE == "crash":
-        os._exit(9)
-    return "ok"
+    if mode == "garbage":
+        print("this is not JSON-RPC", file=sys.stderr)
+        for _ in range(2000):
+            sys.stdout.write("{not json at all\n\x00\xff garbage\n")
+            sys.stdout.flush()
+            time.sleep(0.005)
+        time.sleep(3600)
+
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("faults")
+
+    @server.tool(description="A tool that fails as the server's mode says")
+    def probe(what: str = "") -> str:
+        if mode == "huge":
+            return "x" * (5 * 2**20)
+        if mode == "raise":
+            raise RuntimeError("the probe broke")
+        if mode == "hang":
+            time.sleep(3600)
+        if mode == "markup":
+            return MARKUP
+        if mode == "crash":
+            os._exit(9)
+        return "ok"
+
+    if mode == "http":
+        server.run("streamable-http", host="127.0.0.1", port=port)
+    else:
+        server.run()
 
 
-server.run()
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)

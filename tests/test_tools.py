@@ -283,14 +283,15 @@ def test_a_server_that_does_not_start_is_one_notice(home, tmp_path, tool_model, 
     assert (home / "logs" / "mcp-bad.log").exists()
 
 
-@pytest.mark.parametrize("mode, says", [
-    ("raise", "probe failed: "),
-    ("hang", "bad did not answer in 3 s"),
-    ("crash", "bad"),
+@pytest.mark.parametrize("mode, timeout, says", [
+    ("raise", 60, "probe failed: "),  # (the server formats the traceback: seconds, busy)
+    ("hang", 3, "bad did not answer in 3 s"),
+    ("crash", 60, "bad"),
 ])
 def test_a_call_that_fails_is_one_notice_and_the_reply_goes_on(home, tmp_path, tool_model,
-                                                               scripted, capsys, mode, says):
-    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, timeout=3)})
+                                                               scripted, capsys, mode, timeout,
+                                                               says):
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, timeout=timeout)})
     scripted([PROBE_CALL, "Went on."])
     code, out, err = ask(capsys, tool_model, "-c", "f", "--json", "--mcp", str(cfg),
                          "--allow-tools", "probe", "hi")
@@ -342,3 +343,53 @@ def test_results_that_do_not_fit_the_context_are_told_not_stored_half(
     assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"]
     assert msgs[2].content == TOO_LONG
     store.close()
+
+
+def test_several_calls_in_one_reply_each_get_a_result(home, tmp_path, tool_model, scripted,
+                                                      capsys):
+    cfg = write_config(tmp_path / "mcp.json", {"time": time_server()})
+    seoul = TIME_CALL.replace('"UTC"', '"Asia/Seoul"')
+    scripted([TIME_CALL + seoul, "Both known."])
+    code, out, err = ask(capsys, tool_model, "-c", "two", "--json", "--mcp", str(cfg),
+                         "--allow-tools", "get_current_time", "Time here and in Seoul?")
+    got = json.loads(out)
+    assert code == 0 and got["reply"] == "Both known."
+    assert [c["arguments"]["timezone"] for c in got["tool_calls"]] == ["UTC", "Asia/Seoul"]
+    store = Store.open(paths.database_path())
+    msgs = store.messages(store.get("two"))
+    assert [m.role for m in msgs] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [json.loads(m.content)["timezone"] for m in msgs[2:4]] == ["UTC", "Asia/Seoul"]
+    assert [m.extra["tool_call_id"] for m in msgs[2:4]] == ["call_0_0", "call_0_1"]
+    store.close()
+
+
+def test_a_streamable_http_server_by_url(home, tmp_path, tool_model, scripted, capsys):
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(FAULTS), "http", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while True:  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert time.monotonic() - t0 < 60 and proc.poll() is None
+            time.sleep(0.2)
+        cfg = write_config(tmp_path / "mcp.json", {"web": {"url": f"http://127.0.0.1:{port}/mcp"}})
+        assert main(["mcp", "list", "--mcp", str(cfg), "--json"]) == 0
+        (web,) = json.loads(capsys.readouterr().out)
+        assert web["started"] and [t["name"] for t in web["tools"]] == ["probe"]
+        scripted([PROBE_CALL, "Over HTTP."])
+        code, out, err = ask(capsys, tool_model, "-c", "web", "--json", "--mcp", str(cfg),
+                             "--allow-tools", "probe", "hi")
+        got = json.loads(out)
+        assert code == 0 and got["reply"] == "Over HTTP.", err
+        assert [(c["outcome"], c["result"]) for c in got["tool_calls"]] == [("ran", "ok")]
+    finally:
+        proc.kill()
+        proc.wait()

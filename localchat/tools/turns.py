@@ -20,8 +20,9 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from ..errors import ContextFull
-from ..events import Notice, ToolCallFinished, ToolCallStarted, TurnFinished
+from ..events import Notice, ReplyChunk, ToolCallFinished, ToolCallStarted, TurnFinished
 from ..fmt import human_bytes
+from ..replies import ToolHold
 from .manager import MAX_RESULT_CHARS, Tools, ToolStopped
 from .settings import ToolSettings
 
@@ -120,6 +121,24 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
             return
         events = yield from _answer(session, conv, results, options, cancel)
     yield Notice(f"the model called tools {max_rounds} times in a row; stopped asking it")
+
+
+def without_call_markup(events: Iterator, start: str) -> Iterator:
+    """``events`` with each reply's tool-call markup kept out of its streamed text (the calls
+    come as ``ToolCallStarted``); a reply that ends without a call gets its held text."""
+    hold = ToolHold(start)
+    for ev in events:
+        if isinstance(ev, ReplyChunk):
+            text = hold.add(ev.text)
+            if text:
+                yield ReplyChunk(text)
+            continue
+        if isinstance(ev, TurnFinished):
+            rest = "" if ev.tool_calls else hold.end()
+            if rest:
+                yield ReplyChunk(rest)
+            hold = ToolHold(start)
+        yield ev
 
 
 def _answer(session, conv, results: list[dict], options, cancel):

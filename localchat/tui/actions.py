@@ -252,6 +252,7 @@ class Actions:
             f"Now {policy}: what this conversation does when it fills the model's context "
             "(truncate: the oldest turns leave the window, all stay stored)",
             self.action_toggle_overflow)
+        yield from self.tool_box.commands()
         yield SystemCommand("Cache view", "What this conversation's cache holds and what "
                             "each turn saved", self.action_cache)
         yield SystemCommand("Help", "Keys and what the status bar means", self.action_help)

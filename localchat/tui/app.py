@@ -31,7 +31,15 @@ from textual.widgets import Markdown as MarkdownWidget
 from .. import crashlog, paths
 from ..engine import Engine, now
 from ..errors import LocalchatError
-from ..events import Notice, PrefillProgress, ReasoningChunk, ReplyChunk, TurnFinished
+from ..events import (
+    Notice,
+    PrefillProgress,
+    ReasoningChunk,
+    ReplyChunk,
+    ToolCallFinished,
+    ToolCallStarted,
+    TurnFinished,
+)
 from ..fmt import visible
 from ..models import DEFAULT_MODEL
 from ..session import (
@@ -60,6 +68,7 @@ from .messages import (
 from .mlxthread import MLXThread
 from .sidebar import Sidebar
 from .statusbar import StatusBar
+from .tooling import AppTools, ToolCallPosted
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
 class LocalchatApp(Actions, App):
@@ -115,6 +124,7 @@ class LocalchatApp(Actions, App):
         self.crash_log: Path | None = None  # set when a bug ended the app
         self.crashed: BaseException | None = None
         self._seen_changes: int | None = None  # the database's change counter, last polled
+        self.tool_box = AppTools(self)  # MCP servers, their calls' approval and blocks
 
     def notify(self, message: str, *, title: str = "", severity="information",
                timeout: float | None = None, markup: bool = False) -> None:
@@ -337,6 +347,7 @@ class LocalchatApp(Actions, App):
         self.drafts.stop()  # the turn starts from what it prefilled (Drafts.prefill)
         self.query_one(StatusBar).begin_reply()  # not the previous turn's figures
         self.query_one(StatusBar).activity = "starting…"
+        self.tool_box.configured()  # (read here: a bad config is a notice on this thread)
         self.turn_worker(self.current, prompt, kind, self._cancel)
 
     @work(thread=True, exclusive=True, group="mlx")
@@ -355,7 +366,8 @@ class LocalchatApp(Actions, App):
             elif kind == "edit":
                 events = session.edit_last(conv, prompt, options, cancel)
             else:
-                events = session.turn(conv, prompt, options, cancel)
+                events = self.tool_box.events(session, conv, prompt, options, cancel)
+            last = None  # a round that ended in tool calls is not the turn's end...
             for ev in events:
                 if isinstance(ev, ReplyChunk):
                     self.post_message(ReplyStreamed(ev.text, ev.generated, ev.thinking, now()))
@@ -366,8 +378,14 @@ class LocalchatApp(Actions, App):
                     self.post_message(PrefillAdvanced(ev.done, ev.total))
                 elif isinstance(ev, Notice):
                     self.post_message(TurnNoticed(ev.text))
+                elif isinstance(ev, (ToolCallStarted, ToolCallFinished)):
+                    self.post_message(ToolCallPosted(ev))
                 elif isinstance(ev, TurnFinished):
-                    self.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
+                    last = ev
+                    if not ev.tool_calls:
+                        self.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
+            if last is not None and last.tool_calls:  # ...unless no reply followed it
+                self.post_message(TurnFinishedMsg(last.usage, last.reply, last.stopped))
         except LocalchatError as err:
             self.post_message(TurnFailed(str(err), prompt))
         except Exception as err:  # noqa: BLE001 - a bug must not close the app and lose the draft
@@ -390,6 +408,9 @@ class LocalchatApp(Actions, App):
             self._thinking.done_thinking()
         if self._stream is not None:
             await self._stream.write(msg.text)
+
+    async def on_tool_call_posted(self, msg: ToolCallPosted) -> None:
+        await self.tool_box.show(msg.event)
 
     def on_turn_noticed(self, msg: TurnNoticed) -> None:
         self.notify(msg.text, severity="warning")
@@ -492,4 +513,5 @@ class LocalchatApp(Actions, App):
         if self.busy and self._cancel is not None:
             self._cancel.set()
         self.drafts.cancel.set()  # the draft lived in memory only: it is dropped
+        self.tool_box.close()
         self.exit()

@@ -18,6 +18,7 @@ from textual.widgets import Collapsible, Markdown, Static
 
 from ..fmt import visible
 from ..store import Message
+from .toolcalls import ToolCallBlock, call_blocks
 
 
 class UserMessage(Static):
@@ -96,6 +97,7 @@ class ChatView(VerticalScroll):
         self.shown = drawn
         self.remove_children()
         self.by_seq: dict[int, object] = {}
+        calls: list = []  # the blocks of calls whose results come next
         for i, m in enumerate(messages):
             if i == window_from and 0 < i < len(messages):
                 self.mount(WindowMarker(window_from))
@@ -107,6 +109,19 @@ class ChatView(VerticalScroll):
                     self.mount(ThinkingBlock(thought(m), seconds=extra.get("thinking_seconds"),
                                              tokens=extra.get("reasoning_tokens")))
                 widget = AssistantMessage(m.content + ("\n\n_(stopped)_" if m.partial else ""))
+                calls = call_blocks(m)
+                if calls:
+                    self.by_seq[m.seq] = widget
+                    self.mount(widget, *calls)
+                    continue
+            elif m.role == "tool":
+                widget = calls.pop(0) if calls else ToolCallBlock("tool", {})
+                extra = m.extra or {}
+                widget.finish(str(extra.get("outcome", "ran")), m.content)
+                if widget.parent is None:
+                    self.mount(widget)
+                self.by_seq[m.seq] = widget
+                continue
             else:
                 continue
             self.by_seq[m.seq] = widget
