@@ -157,17 +157,15 @@ def create_attention_mask_rows(make, n: int, **kw):
     return make(mx.zeros((1, n)), None, **kw)
 
 
-_installed: list = []
-
-
 def install_split_attention() -> None:
     """Wrap the attention every model reaches (``mx.fast.scaled_dot_product_attention``, or
-    localchat's CPU one in its place): ``SplitKV`` keys run row by row. Once per process."""
+    localchat's CPU one in its place): ``SplitKV`` keys run row by row. Checked before each
+    batched step: whatever was put in place since (``cpu.attention.install``) is wrapped."""
     import mlx.core as mx
 
-    if _installed:
-        return
     inner = mx.fast.scaled_dot_product_attention
+    if getattr(inner, "split_rows", False):
+        return
 
     def attention(queries, keys, values, *args, mask=None, **kw):
         if not isinstance(keys, SplitKV):
@@ -178,8 +176,8 @@ def install_split_attention() -> None:
             rows.append(inner(queries[i:i + 1], k, v, *args, mask=m, **kw))
         return mx.concatenate(rows, axis=0)
 
+    attention.split_rows = True
     mx.fast.scaled_dot_product_attention = attention
-    _installed.append(inner)
 
 
 def run_steps(model, steps: list[Step]) -> None:
@@ -191,6 +189,7 @@ def run_steps(model, steps: list[Step]) -> None:
         s = steps[0]
         s.logits = model(s.token[:, None], cache=s.cache)[:, -1, :]
         return
+    install_split_attention()
     tokens = mx.concatenate([s.token for s in steps])[:, None]
     split = [split_layer([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
     logits = model(tokens, cache=split)[:, -1, :]
@@ -204,7 +203,6 @@ def batch_refusal(engine) -> str:
     lone steps (logits within 1e-3: batched matmuls round differently, a wrong row does not)."""
     import mlx.core as mx
 
-    install_split_attention()
     prompts = [[3 + i for i in range(5)], [1 + 5 * i for i in range(9)]]  # ids every vocab has
     try:
         caches, alone, steps = [], [], []
