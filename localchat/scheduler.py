@@ -262,7 +262,6 @@ class _Turn:
     events: Iterator
     step: Step | None = None  # the decode step it waits for
     locked: bool = False  # waits for a conversation's lock (held by another turn here?)
-    started: bool = False
 
 
 @dataclass
