@@ -163,3 +163,35 @@ def test_a_model_whose_batched_step_fails_runs_alone(family, name):
     from localchat.scheduler import batch_refusal
 
     assert batch_refusal(family(name)).startswith("a batched step")
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session):
+    """Three turns decode while a ~700-token prompt arrives: decode steps run between its
+    prefill chunks (no timing asserted; the gaps are measured by scripts/bench_serve.py), and
+    every turn ends with the reply it gives alone."""
+    from localchat.events import TurnFinished
+    from localchat.session import TurnOptions
+
+    prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 100]
+    convs = [session.conversation(f"c{i}") for i in range(4)]
+    sched = Scheduler(session, max_batch=4, memory=2**30)
+    at_chunk: list[int] = []
+    done: dict[int, str] = {}
+
+    def work(i: int) -> Work:
+        def emit(ev) -> None:
+            if isinstance(ev, PrefillProgress) and i == 3:
+                at_chunk.append(sched.steps)
+            if isinstance(ev, TurnFinished):
+                done[i] = ev.reply
+            assert not isinstance(ev, BaseException), ev
+        return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=40)), emit)
+
+    sched.run_all([work(i) for i in range(4)])
+    assert sched.widest >= 2 and len(at_chunk) >= 2
+    assert at_chunk == sorted(at_chunk) and at_chunk[-1] > at_chunk[0]  # steps in between
+    assert not session.stepped  # (given back once the group ran)
+    for i in range(4):  # the control: each reply again, alone
+        alone = [ev for ev in session.turn(session.conversation(f"alone{i}"), prompts[i],
+                                           TurnOptions(max_tokens=40))][-1]
+        assert alone.reply == done[i]
