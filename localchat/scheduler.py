@@ -182,7 +182,8 @@ def install_split_attention() -> None:
 
 def run_steps(model, steps: list[Step]) -> None:
     """One model call for every ``Step``; each gets its row's last logits. A single step runs
-    exactly as a lone turn's (its own cache, no split)."""
+    exactly as a lone turn's (its own cache, no split): where a per-sequence step (prompt
+    lookup, ``speculative.py``) could take over a batch of one."""
     import mlx.core as mx
 
     if len(steps) == 1:
