@@ -295,9 +295,9 @@ def many_clients(args, engine, model: str, home: Path) -> dict:
     """Aggregate tok/s of N clients at once vs the same requests one at a time, and the
     running streams' inter-token gaps while a long prompt is prefilled."""
     sizes = [int(n) for n in args.clients.split(",")] if args.clients else \
-        benchlib.pick(args, [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4])
+        benchlib.pick(args, [1, 2, 4, 8], [1, 2, 4, 8], [2])
     max_tokens = args.client_tokens or benchlib.pick(args, 48, 32, 8)
-    long_tokens = benchlib.pick(args, 2048, 2048, 200)
+    long_tokens = benchlib.pick(args, 2048, 2048, 100)
     trials = benchlib.pick(args, 2, 1, 1)
     chats = [[{"role": "user", "content": f"Question {i}: tell me about "
                f"{CLIENT_TOPICS[i % len(CLIENT_TOPICS)]} in a few lines."}] for i in range(8)]
