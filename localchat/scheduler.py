@@ -157,17 +157,15 @@ def create_attention_mask_rows(make, n: int, **kw):
     return make(mx.zeros((1, n)), None, **kw)
 
 
-_installed: list = []
-
-
 def install_split_attention() -> None:
     """Wrap the attention every model reaches (``mx.fast.scaled_dot_product_attention``, or
-    localchat's CPU one in its place): ``SplitKV`` keys run row by row. Once per process."""
+    localchat's CPU one in its place): ``SplitKV`` keys run row by row. Checked before each
+    batched step: whatever was put in place since (``cpu.attention.install``) is wrapped."""
     import mlx.core as mx
 
-    if _installed:
-        return
     inner = mx.fast.scaled_dot_product_attention
+    if getattr(inner, "split_rows", False):
+        return
 
     def attention(queries, keys, values, *args, mask=None, **kw):
         if not isinstance(keys, SplitKV):
@@ -178,19 +176,21 @@ def install_split_attention() -> None:
             rows.append(inner(queries[i:i + 1], k, v, *args, mask=m, **kw))
         return mx.concatenate(rows, axis=0)
 
+    attention.split_rows = True
     mx.fast.scaled_dot_product_attention = attention
-    _installed.append(inner)
 
 
 def run_steps(model, steps: list[Step]) -> None:
     """One model call for every ``Step``; each gets its row's last logits. A single step runs
-    exactly as a lone turn's (its own cache, no split)."""
+    exactly as a lone turn's (its own cache, no split): where a per-sequence step (prompt
+    lookup, ``speculative.py``) could take over a batch of one."""
     import mlx.core as mx
 
     if len(steps) == 1:
         s = steps[0]
         s.logits = model(s.token[:, None], cache=s.cache)[:, -1, :]
         return
+    install_split_attention()
     tokens = mx.concatenate([s.token for s in steps])[:, None]
     split = [split_layer([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
     logits = model(tokens, cache=split)[:, -1, :]
@@ -204,7 +204,6 @@ def batch_refusal(engine) -> str:
     lone steps (logits within 1e-3: batched matmuls round differently, a wrong row does not)."""
     import mlx.core as mx
 
-    install_split_attention()
     prompts = [[3 + i for i in range(5)], [1 + 5 * i for i in range(9)]]  # ids every vocab has
     try:
         caches, alone, steps = [], [], []
@@ -264,7 +263,6 @@ class _Turn:
     events: Iterator
     step: Step | None = None  # the decode step it waits for
     locked: bool = False  # waits for a conversation's lock (held by another turn here?)
-    started: bool = False
 
 
 @dataclass

@@ -3,12 +3,13 @@
 Side by side in one run, on the default model (or -m MODEL):
 1. ``localchat batch`` over a 16-line JSONL file (one process; the shared prefix is prefilled
    once and reused from the prefix pool);
-2. the same with ``--parallel 16`` (mlx-lm's batched decode; replies compared with 1.);
+2. the same with ``--parallel 16`` (the lines decoded together on localchat's scheduler,
+   ``localchat/scheduler.py``; replies compared with 1.);
 3. 16 sequential ``localchat ask --system … PROMPT`` processes (each a new conversation);
 4. in one process, the decode strategies on the same 16 prompts, each starting from the
    shared prefix in a ``PrefixPool``: localchat's one-at-a-time decode (``Session.complete``)
-   vs mlx-lm's ``batch_generate`` — the reason ``localchat batch`` decodes one line at a time
-   unless asked otherwise.
+   vs mlx-lm's ``batch_generate`` (what ``--parallel`` ran before the scheduler) and how
+   often their greedy replies agree.
 
 Usage: python scripts/bench_batch.py [--quick | --smoke] [-m MODEL]
 ``--quick``: 4 prompts, 16 tokens each. ``--smoke``: 2 prompts sharing a ~128-token system

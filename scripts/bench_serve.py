@@ -165,6 +165,10 @@ def main() -> None:
                     help="stored caches for the index's scale test (default 2000)")
     ap.add_argument("--clients-only", action="store_true",
                     help="only the many-clients part (aggregate tok/s, gaps)")
+    ap.add_argument("--clients", default=None, metavar="N,N,…",
+                    help="client counts to run at once (default 1,2,4,8)")
+    ap.add_argument("--client-tokens", type=int, default=None, metavar="N",
+                    help="reply tokens per client (default 48; --quick 32)")
     args = ap.parse_args()
     trials = benchlib.pick(args, 3, 2, 1)
     turns = benchlib.pick(args, 5, 4, 3)
@@ -290,9 +294,10 @@ def at_once(server: Server, chats: list[list[dict]], max_tokens: int,
 def many_clients(args, engine, model: str, home: Path) -> dict:
     """Aggregate tok/s of N clients at once vs the same requests one at a time, and the
     running streams' inter-token gaps while a long prompt is prefilled."""
-    sizes = benchlib.pick(args, [1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4])
-    max_tokens = benchlib.pick(args, 48, 32, 8)
-    long_tokens = benchlib.pick(args, 2048, 2048, 200)
+    sizes = [int(n) for n in args.clients.split(",")] if args.clients else \
+        benchlib.pick(args, [1, 2, 4, 8], [1, 2, 4, 8], [2])
+    max_tokens = args.client_tokens or benchlib.pick(args, 48, 32, 8)
+    long_tokens = benchlib.pick(args, 2048, 2048, 100)
     trials = benchlib.pick(args, 2, 1, 1)
     chats = [[{"role": "user", "content": f"Question {i}: tell me about "
                f"{CLIENT_TOPICS[i % len(CLIENT_TOPICS)]} in a few lines."}] for i in range(8)]

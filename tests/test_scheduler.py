@@ -1,8 +1,11 @@
-"""The scheduler's admission without a model: the batch width, the memory budget (a job that
-would pass it waits, never fails), oldest first, errors to their job's owner, and a turn that
-waits for a conversation's lock another turn here holds."""
+"""The scheduler: its admission without a model (the batch width, the memory budget — a job
+that would pass it waits, never fails —, oldest first, errors to their job's owner, a turn that
+waits for a conversation's lock another turn here holds), and one batched step on tiny models
+of each cache family against the same steps taken alone."""
 
 from __future__ import annotations
+
+import pytest
 
 from localchat.errors import BadInput
 from localchat.events import Notice, PrefillProgress, ReplyChunk
@@ -92,3 +95,103 @@ def test_the_budget_from_the_environment(monkeypatch):
     assert batch_memory() == 2 * 2**30
     monkeypatch.delenv("LOCALCHAT_BATCH_MEMORY")
     assert batch_memory() > 2**20
+
+
+# -- a batched step on tiny models of each family ----------------------------------------------
+
+STEPPED = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "mamba2", "falcon_h1",
+           "baichuan_m1"]
+ALONE = ["deepseek_v3", "llama4", "deepseek_v32"]
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    from families import build_family
+
+    from localchat.engine import Engine
+
+    root = tmp_path_factory.mktemp("stepped")
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = Engine.load(str(build_family(name, root / name)))
+        return made[name]
+    return get
+
+
+def prefilled(engine, tokens: list[int]):
+    import mlx.core as mx
+
+    cache = engine.new_cache()
+    engine.model(mx.array(tokens)[None], cache=cache)
+    return cache
+
+
+@pytest.mark.parametrize("name", STEPPED)
+def test_a_batched_step_gives_each_row_its_own_logits(family, name):
+    """Three histories of different lengths (past a 16-token window), two steps batched: each
+    row's logits are its lone steps' (to batched rounding), and its cache the lone cache."""
+    import mlx.core as mx
+
+    from localchat.events import Step
+    from localchat.kvcache import kinds as ck
+    from localchat.scheduler import batch_refusal, run_steps
+
+    engine = family(name)
+    assert batch_refusal(engine) == ""
+    prompts = [[5 + (i * 7) % 300 for i in range(n)] for n in (9, 23, 40)]
+    lone, batched = [prefilled(engine, p) for p in prompts], [prefilled(engine, p)
+                                                               for p in prompts]
+    for tok in (11, 42):
+        want = [engine.model(mx.array([[tok]]), cache=c)[:, -1, :] for c in lone]
+        steps = [Step(mx.array([tok]), c) for c in batched]
+        run_steps(engine.model, steps)
+        for w, s in zip(want, steps):
+            assert mx.allclose(w, s.logits, atol=1e-4).item()
+            assert mx.argmax(w).item() == mx.argmax(s.logits).item()
+        # The control: another row's logits are not these.
+        assert not mx.allclose(want[0], steps[1].logits, atol=1e-2).item()
+    for a, b in zip(lone, batched):
+        assert ck.position(a) == ck.position(b)
+        for x, y in zip(ck.state_arrays(a), ck.state_arrays(b)):
+            assert mx.allclose(x, y, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("name", ALONE)
+def test_a_model_whose_batched_step_fails_runs_alone(family, name):
+    from localchat.scheduler import batch_refusal
+
+    assert batch_refusal(family(name)).startswith("a batched step")
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session):
+    """Three turns decode while a ~700-token prompt arrives: decode steps run between its
+    prefill chunks (no timing asserted; the gaps are measured by scripts/bench_serve.py), and
+    every turn ends with the reply it gives alone."""
+    from localchat.events import TurnFinished
+    from localchat.session import TurnOptions
+
+    prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 100]
+    convs = [session.conversation(f"c{i}") for i in range(4)]
+    sched = Scheduler(session, max_batch=4, memory=2**30)
+    at_chunk: list[int] = []
+    done: dict[int, str] = {}
+
+    def work(i: int) -> Work:
+        def emit(ev) -> None:
+            if isinstance(ev, PrefillProgress) and i == 3:
+                at_chunk.append(sched.steps)
+            if isinstance(ev, TurnFinished):
+                done[i] = ev.reply
+            assert not isinstance(ev, BaseException), ev
+        return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=40)), emit)
+
+    sched.run_all([work(i) for i in range(4)])
+    assert sched.widest >= 2 and len(at_chunk) >= 2
+    assert at_chunk == sorted(at_chunk) and at_chunk[-1] > at_chunk[0]  # steps in between
+    assert not session.stepped  # (given back once the group ran)
+    for i in range(4):  # the control: each reply again, alone
+        alone = [ev for ev in session.turn(session.conversation(f"alone{i}"), prompts[i],
+                                           TurnOptions(max_tokens=40))][-1]
+        assert alone.reply == done[i]

@@ -118,6 +118,7 @@ def _serve(r: dict) -> None:
     assert r["turns"] == 3 and r["stored"] == 50
     assert r["cached_live"] > 0 and r["cached_restart"] > 0  # turn N hit, restart or not
     assert r["mlx_lm_turn_live_s"] > 0 and r["serve_stored_s"] > 0
+    assert r["clients"]["2"]["replies_equal"] in (True, False) and r["gaps"]["median_gap_s"] > 0
 
 
 def _share(r: dict) -> None:
@@ -156,7 +157,7 @@ CASES = {
     "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",
                    "turn_restart_s", "mlx_lm_turn_restart_s", "turn1_full_prefill_s",
                    "cached_live", "cached_restart", "stored", "ask_empty_s", "ask_stored_s",
-                   "serve_empty_s", "serve_stored_s"}, _serve),
+                   "serve_empty_s", "serve_stored_s", "clients", "gaps"}, _serve),
     "share": Case({"prompt_tokens", "shared_cached_tokens", "shared_ttft_s", "alone_ttft_s",
                    "fork_bytes_written", "fork_next_turn"}, _share),
 }
