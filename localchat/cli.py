@@ -18,7 +18,6 @@ import sys
 from collections.abc import Callable
 
 from . import crashlog, paths
-from .window import POLICIES
 from .cli_data import (
     cmd_cache,
     cmd_export,
@@ -44,6 +43,7 @@ from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, human_bytes, say, visible
 from .models import DEFAULT_MODEL
 from .server.run import cmd_serve
+from .window import POLICIES
 
 
 def main(argv: list[str] | None = None) -> int:

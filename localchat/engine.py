@@ -426,8 +426,6 @@ class Engine:
 
         if max_tokens <= 0:
             return
-        if seed is not None:
-            mx.random.seed(seed)
         sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0,
                                min_p=min_p, top_k=top_k)
         eos = self.eos_ids
@@ -443,17 +441,17 @@ class Engine:
             return root(sampler(scores))
 
         root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
-        key = mx.random.state[0] if stepped and seed is not None else None
+        drawn = 0
 
         def sample(logits):
-            nonlocal key
-            if key is None:
-                return pick(logits)
-            # Other turns sample between this one's steps: swap its own stream in and out.
-            shared, mx.random.state[0] = mx.random.state[0], key
-            y = pick(logits)
-            key, mx.random.state[0] = mx.random.state[0], shared
-            return y
+            nonlocal drawn
+            if seed is not None:
+                # Each draw of a seeded turn from a state of its own (the seed and the draw's
+                # index): other turns may draw between its steps (a scheduler's batch), and it
+                # still samples as it would alone. (MLX's global state cannot be swapped.)
+                mx.random.seed((seed * 1_000_003 + drawn) % 2**63)
+            drawn += 1
+            return pick(logits)
 
         y = sample(logits)
         mx.async_eval(y)

@@ -5,6 +5,7 @@ import re
 
 import pytest
 from rich.cells import cell_len
+from test_tui import settle, status_text, type_and_send
 from textual.app import App, ComposeResult
 from textual.geometry import Region
 
@@ -14,8 +15,6 @@ from localchat.prefillmodel import PrefillModel
 from localchat.tui.cachescreen import CacheScreen, turn_bars
 from localchat.tui.composer import Composer
 from localchat.tui.statusbar import Part, StatusBar, fit, usage_parts
-
-from test_tui import settle, status_text, type_and_send
 
 USAGE = Usage(prompt_tokens=12_412, cached_tokens=12_380, prefilled_tokens=32,
               completion_tokens=257, ttft_s=0.123, prefill_tps=251.0, decode_tps=45.1,
@@ -109,7 +108,10 @@ async def test_a_message_sent_during_a_reply_stays_in_the_box_with_a_hint(make_a
             await pilot.pause(0.02)
             if "replying" in status_text(app):
                 break
-        await type_and_send(pilot, "too early")
+        # Pasted, then Enter: a key press waits for the app to be idle, which a streaming
+        # reply is not, so typing it key by key could outlast the reply.
+        app.query_one(Composer).load_text("too early")
+        await pilot.press("enter")
         await pilot.pause()
         assert app.busy  # (the reply was still running when Enter came)
         hint = str(app.query_one("#draft").render())

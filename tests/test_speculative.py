@@ -147,7 +147,6 @@ def test_quantized_leaves_are_cut_back(tmp_path):
     """QuantizedKVCache (``to_quantized``; CacheLists are covered by the families above): a
     verify pass with a wrong draft leaves the same cache as feeding the accepted token alone."""
     import mlx.core as mx
-
     from tiny import build_tiny_model
 
     # head_dim 32: mx.quantize needs a group of 32 or more

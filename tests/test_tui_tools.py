@@ -13,8 +13,15 @@ from pathlib import Path
 
 import pytest
 from fakes import ScriptedEngine
-from test_tools import FAULTS, PROBE_CALL, TIME_CALL, git_call, repo, time_server  # noqa: F401
-from test_tools import tool_model  # noqa: F401  (the fixture)
+from test_tools import (  # noqa: F401
+    FAULTS,
+    PROBE_CALL,
+    TIME_CALL,
+    git_call,
+    repo,
+    time_server,
+    tool_model,  # noqa: F401  (the fixture)
+)
 from test_tui import replies, settle, type_and_send
 
 from localchat.engine import Engine
