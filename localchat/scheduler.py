@@ -30,7 +30,8 @@ and recurrent state (ArraysCache: conv and SSM state) through ``SplitArrays``, w
 rows' states for the step and writes each row back. A model whose batched step fails or does
 not match its lone steps (``batch_refusal`` tries one at start: MLA, which works on its keys
 before attention; llama4's chunked cache; deepseek_v32's indexer) runs its turns one at a
-time, said once in the log. What it is not: the HTTP side (``server/``), the turn itself (``session.py``).
+time, said once in the log. What it is not: the HTTP side (``server/``), the turn itself
+(``session.py``).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ def fit(render, context: int, history: list[dict], window_from: int, policy: str
             if len(tokens) < context:
                 return Fitted(tokens, context - len(tokens), start, False)
             limit = context - 1
-        found = _first(later, lambda u: size(u) <= limit)
+        found = _first(later, lambda u, limit=limit: size(u) <= limit)
         if found is not None:
             tokens = render(head + body[found:])
             return Fitted(tokens, min(max_tokens, context - len(tokens)), found, True)

@@ -25,9 +25,10 @@ class Turn:  # what store.TurnRecord gives the model
         return self.prompt_tokens - self.cached_tokens
 
 
-def turns_of(costs: PrefillModel, shapes, slow: dict[int, float] = {}) -> list[Turn]:
+def turns_of(costs: PrefillModel, shapes, slow: dict[int, float] | None = None) -> list[Turn]:
     """Turns of (cached, prefilled) whose TTFT the scripted clock gives by ``costs``; the
     i-th one ``slow[i]`` times slower (another program had the CPU)."""
+    slow = slow or {}
     return [Turn(k + n, k, costs.cost(n, k) * slow.get(i, 1.0))
             for i, (k, n) in enumerate(shapes)]
 
