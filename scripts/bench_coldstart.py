@@ -172,6 +172,18 @@ sys.exit(code)
 """
 
 
+SEED = """
+import json, sys
+import localchat.paths as paths
+from localchat.store import Store
+store = Store.open(paths.database_path())
+conv = store.create("resumed", sys.argv[1])
+for m in json.loads(sys.argv[2]):
+    store.add_message(conv, m["role"], m["content"])
+store.close()
+"""
+
+
 def version_env(env: dict, tree: Path | None) -> dict:
     """``env`` with ``tree`` (a version of localchat) first on the path (None: this tree)."""
     path = str(tree or ROOT)
@@ -242,16 +254,24 @@ def main() -> None:
     from localchat.store import Store
 
     engine = Engine.load(args.model)
+    messages = benchlib.filler_messages(engine, history)
     store = Store.open(paths.database_path())
     for name in ("resumed", "full"):
         conv = store.create(name, engine.ref.name)
-        for m in benchlib.filler_messages(engine, history):
+        for m in messages:
             store.add_message(conv, m["role"], m["content"])
     store.close()
     # The conversations know their model; -m again is for the reader of the command line.
     versions = {"this tree": version_env(env, None)}
     if args.against != "none":
-        versions[args.against] = version_env(env, export(args.against))
+        # The other version gets a data folder of its own, its database written by itself
+        # (an older localchat refuses a newer schema), with the same conversation in it.
+        other = home / "other"
+        other.mkdir()
+        venv = version_env({**env, "LOCALCHAT_HOME": str(other)}, export(args.against))
+        subprocess.run([sys.executable, "-c", SEED, engine.ref.name, json.dumps(messages)],
+                       env=venv, check=True)
+        versions[args.against] = venv
     exe = benchlib.localchat("ask", "-m", engine.ref.name, "--max-tokens", "4")
     # Warm-up, and the resumed conversation's cache written to disk (by each version: the
     # same cache format, so each resumes it).
