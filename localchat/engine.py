@@ -323,6 +323,15 @@ class Engine:
         banned = sorted(t for t in self.hidden_ids - self.eos_ids if not vocab or t < vocab)
         return make_logits_processors({t: -float("inf") for t in banned} or None)
 
+    def sampler(self, temp: float = 0.0, top_p: float = 1.0, **settings):
+        """A turn's ``Sampler`` (``sampler.py``) with this model's banned control tokens and,
+        split over ranks, rank 0's choice for every rank. ``settings``: top_k, min_p,
+        repetition_penalty, seed."""
+        from .sampler import Sampler
+
+        return Sampler(temp, top_p, banned=sorted(self.hidden_ids - self.eos_ids),
+                       root=self.group.from_root, **settings)
+
     def sampling(self):
         """The sampling defaults in force for the app and ``serve`` (``sampling.py``)."""
         if self._sampling is None:
@@ -360,20 +369,23 @@ class Engine:
         self.info()
         return self._compute_dtype
 
-    def prefill(self, tokens: list[int], cache: list, chunk: int = PREFILL_CHUNK):
+    def prefill(self, tokens: list[int], cache: list,
+                chunk: int | Callable[[], int] = PREFILL_CHUNK):
         """Feed ``tokens`` (at least one) into ``cache``.
 
         Yields ``(done, total)`` after each chunk and returns the last position's logits
         (``logits = yield from engine.prefill(...)``). Chunks before the last token run through
         the transformer body only: the vocabulary head (~20% of a small model's FLOPs) is
-        needed for the last position alone.
+        needed for the last position alone. ``chunk``: tokens per chunk, or a function asked
+        before each chunk (a scheduler shrinks chunks while other turns wait to decode).
         """
         import mlx.core as mx
 
         assert tokens, "prefill needs at least one token"
         body = getattr(self.model, "model", None)
         done, total = 0, len(tokens)
-        if total <= min(ONE_PASS, chunk) and not ck.bounded(cache) and self.group.size == 1:
+        size = chunk if callable(chunk) else (lambda: chunk)
+        if total <= min(ONE_PASS, size()) and not ck.bounded(cache) and self.group.size == 1:
             # A short message (a chat turn) goes through once, head included: feeding its last
             # token apart would attend the whole history a second time (~12 ms at 4k on the
             # default model), more than the head costs for a few more rows (~5 ms at 15).
@@ -383,7 +395,7 @@ class Engine:
             mx.eval(logits)
             return logits
         while total - done > 1:
-            n = min(chunk, total - done - 1)
+            n = max(1, min(size(), total - done - 1))
             x = mx.array(tokens[done : done + n])[None]
             if body is not None:
                 body(x, cache=cache)
@@ -411,53 +423,25 @@ class Engine:
     ) -> Iterator[int | Step]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
-        Greedy when ``temp`` is 0 (``top_p``/``top_k``/``min_p`` then change nothing);
-        ``repetition_penalty`` (1: off) weighs the last 20 generated tokens, as mlx-lm's does.
-        Control tokens that are not ends (``hidden_ids - eos_ids``: ``<|im_start|>`` in a
-        reply) are never sampled: a reply cannot hold one, so its stored text renders back
-        to the ids that were fed. The step for token n+1 is queued before token n is yielded
+        The tokens are chosen by ``self.sampler`` (``sampler.py``: greedy when ``temp`` is 0,
+        no control token that is not an end). The step for token n+1 is queued before token n is yielded
         (MLX async eval), so the model works while the caller prints. ``stepped``: each model
         step is yielded as a ``Step`` for a scheduler to run together with other turns'
         (``scheduler.py``) instead of being run here; a ``seed`` then keeps its own random
         stream, so a seeded turn samples as it would alone.
         """
         import mlx.core as mx
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
         if max_tokens <= 0:
             return
-        sampler = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0,
-                               min_p=min_p, top_k=top_k)
+        sampler = self.sampler(temp, top_p, top_k=top_k, min_p=min_p,
+                               repetition_penalty=repetition_penalty, seed=seed)
         eos = self.eos_ids
-        processors = self.reply_processors(logits.shape[-1]) + make_logits_processors(
-            None, repetition_penalty if repetition_penalty != 1.0 else None)
-        seen: list[int] = []
-
-        def pick(scores):
-            if processors:
-                history = mx.array(seen[-20:], dtype=mx.uint32)
-                for process in processors:
-                    scores = process(history, scores)
-            return root(sampler(scores))
-
-        root = self.group.from_root  # split over ranks: every rank feeds rank 0's token
-        drawn = 0
-
-        def sample(logits):
-            nonlocal drawn
-            if seed is not None:
-                # Each draw of a seeded turn from a state of its own (the seed and the draw's
-                # index): other turns may draw between its steps (a scheduler's batch), and it
-                # still samples as it would alone. (MLX's global state cannot be swapped.)
-                mx.random.seed((seed * 1_000_003 + drawn) % 2**63)
-            drawn += 1
-            return pick(logits)
-
-        y = sample(logits)
+        y = sampler.draw(logits)
         mx.async_eval(y)
         for n in range(max_tokens):
             tok = int(y.item())
-            seen.append(tok)
+            sampler.note(tok)
             if tok in eos:
                 yield tok
                 return
@@ -476,7 +460,7 @@ class Engine:
                 logits = step.logits
             else:
                 logits = self.model(y[:, None], cache=cache)[:, -1, :]
-            y = sample(logits)
+            y = sampler.draw(logits)
             mx.async_eval(y)
             yield tok
 

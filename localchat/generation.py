@@ -13,7 +13,7 @@ What it is not: where the cache comes from or goes (``turncache.py``) or the con
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from . import speculative
@@ -91,7 +91,8 @@ class Run:
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
              options: TurnOptions, cancel: Cancel, run: Run,
-             prior: Sequence[int] = (), stepped: bool = False) -> Iterator[Event]:
+             prior: Sequence[int] = (), stepped: bool = False,
+             chunk: Callable[[], int] | None = None) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
     ``prior``: the tokens before ``new_tokens`` that the cache holds (the conversation so far),
@@ -100,7 +101,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     Models with bounded layers get a checkpoint one token before the reply (the end of
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
-    ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch.
+    ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch;
+    ``chunk``: the scheduler's prefill chunk size, asked before each chunk.
     """
     cache = start.cache
 
@@ -118,7 +120,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     total = len(new_tokens)
     logits = None
     for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
-        prefill = engine.prefill(new_tokens[lo:hi], cache)
+        prefill = engine.prefill(new_tokens[lo:hi], cache,
+                                 **({"chunk": chunk} if chunk else {}))
         while True:
             if stop():
                 run.stopped = True

@@ -9,7 +9,8 @@ prefix), prefill, decode, persist — except that its decode steps come out as `
 - admits waiting jobs into the running set (continuous batching) while ``max_batch`` and the
   memory budget allow (a job that does not fit waits in the queue: it is never crashed);
 - advances one turn that is not decoding by one yield point: its resume and one prefill
-  chunk (``Engine.prefill``'s 512 tokens), so a long prompt does not freeze the others;
+  chunk, sized by ``Pace`` to a share of one decode round while others decode, so a long
+  prompt does not freeze the others;
 - runs every waiting ``Step`` as one model call (``run_steps``) and hands each turn its row.
 
 A turn retires when it ends, is stopped (``Cancel``, the client went away) or fails; it
@@ -39,6 +40,7 @@ from __future__ import annotations
 import collections
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -258,12 +260,47 @@ class Work:
     done: Callable = lambda: None  # told once the job's events have ended
 
 
+MIN_CHUNK = 8  # fewest prompt tokens a chunk takes (below this a chunk is mostly overhead)
+
+
+@dataclass
+class Pace:
+    """How many prompt tokens one prefill chunk takes: while other turns wait to decode, about
+    ``share`` of one decode round's time (measured: moving averages of both), so a long
+    prompt arriving raises the running streams' inter-token gap by about 1 + ``share``
+    (issue 32: at most 2x) instead of by a whole 512-token chunk (6.8x measured); with no one
+    waiting, ``Engine.prefill``'s own chunk."""
+
+    share: float = 0.7
+    step_s: float = 0.0  # a decode round: the batched step and each turn's work after it
+    rate: float = 0.0  # prompt tokens per second
+    busy: bool = False  # turns are waiting to decode
+
+    def chunk(self) -> int:
+        from .engine import PREFILL_CHUNK
+
+        if not self.busy:
+            return PREFILL_CHUNK
+        if not (self.step_s and self.rate):
+            return 4 * MIN_CHUNK  # not measured yet: small, to measure
+        return max(MIN_CHUNK, min(PREFILL_CHUNK, int(self.rate * self.step_s * self.share)))
+
+    def stepped(self, seconds: float) -> None:
+        self.step_s = seconds if not self.step_s else 0.7 * self.step_s + 0.3 * seconds
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            rate = tokens / seconds
+            self.rate = rate if not self.rate else 0.7 * self.rate + 0.3 * rate
+
+
 @dataclass
 class _Turn:
     work: Work
     events: Iterator
     step: Step | None = None  # the decode step it waits for
     locked: bool = False  # waits for a conversation's lock (held by another turn here?)
+    prefilled: int = 0  # prompt tokens it has prefilled (its last PrefillProgress)
 
 
 @dataclass
@@ -281,6 +318,7 @@ class Scheduler:
     steps: int = 0  # decode steps run, and the rows they held (rows / steps: mean batch)
     rows: int = 0
     widest: int = 0
+    pace: Pace = field(default_factory=Pace)
     _next: int = 0
 
     def __post_init__(self) -> None:
@@ -300,7 +338,7 @@ class Scheduler:
 
     def serve_forever(self) -> None:
         """Run queued jobs, for ever (the server's daemon thread)."""
-        self.session.stepped = True
+        self.session.stepped, self.session.prefill_chunk = True, self.pace.chunk
         while True:
             self.admit(block=not self.running)
             try:
@@ -313,13 +351,13 @@ class Scheduler:
         """Run ``works`` to their end (``batch --parallel``), in order of admission."""
         for w in works:
             self.put(w)
-        self.session.stepped = True
+        self.session.stepped, self.session.prefill_chunk = True, self.pace.chunk
         try:
             while self.running or self.queued:
                 self.admit(block=False)
                 self.round()
         finally:
-            self.session.stepped = False
+            self.session.stepped, self.session.prefill_chunk = False, None
 
     # -- admission
 
@@ -373,7 +411,11 @@ class Scheduler:
             self._next %= len(others)
             turn = others[self._next]
             self._next += 1
+            self.pace.busy = any(t.step is not None for t in self.running)
+            before, t0 = turn.prefilled, time.perf_counter()
             self._advance(turn)
+            if before:  # (the first chunk also paid for the resume: not a prefill rate)
+                self.pace.prefilled(turn.prefilled - before, time.perf_counter() - t0)
         elif all(t.locked for t in self.running):
             # Each waits for a conversation's lock and no other turn here holds one now.
             self._advance(self.running[0], unlock=True)
@@ -381,6 +423,7 @@ class Scheduler:
         if not stepping:
             return
         model = self.session.engine.model
+        t0 = time.perf_counter()
         try:
             run_steps(model, [t.step for t in stepping])
         except Exception:  # noqa: BLE001 - tried again one by one: only a failing turn fails
@@ -395,6 +438,7 @@ class Scheduler:
         for t in stepping:
             t.step = None
             self._advance(t)
+        self.pace.stepped(time.perf_counter() - t0)
 
     def _retire(self, turn: _Turn, err: BaseException) -> None:
         """End ``turn`` with ``err`` (closed: it keeps its partial reply and the cache of what
@@ -428,6 +472,7 @@ class Scheduler:
                     continue
                 turn.work.emit(ev)
                 if isinstance(ev, PrefillProgress):
+                    turn.prefilled = ev.done
                     return
         except StopIteration:
             pass

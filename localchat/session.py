@@ -113,6 +113,7 @@ class Session:
         # True while a scheduler drives this session's turns (``scheduler.py``): their decode
         # steps come out as ``Step`` events, run in a batch with other turns'.
         self.stepped = False
+        self.prefill_chunk = None  # the scheduler's chunk size, while it runs (``Pace``)
         # Prompt lookup for turns whose options leave it open (``--speculate`` of chat/serve).
         self.speculate = "lookup"
 
@@ -341,7 +342,7 @@ class Session:
             try:
                 yield from generate(self.engine, new_tokens, start, max_tokens,
                                     self._speculating(options), cancel, run, tokens[:start.pos],
-                                    self.stepped)
+                                    self.stepped, self.prefill_chunk)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -451,7 +452,7 @@ class Session:
         run = Run()
         yield from generate(self.engine, tokens[start.pos:], start, max_tokens,
                             self._speculating(options), cancel or Cancel(), run,
-                            tokens[:start.pos], self.stepped)
+                            tokens[:start.pos], self.stepped, self.prefill_chunk)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .kvcache import kinds as ck
+from .sampler import Sampler
 
 MIN_NGRAM = 3  # shortest suffix looked up: in free text 2-token matches were mostly wrong
 MAX_NGRAM = 5  # longest suffix looked up; a longer match is found through its last 5 tokens
@@ -152,66 +153,6 @@ def rewind(model, cache: list, at: Mark, keep: Sequence[int]) -> None:
         mx.eval(ck.state_arrays(cache))
 
 
-class Picker:
-    """The plain decode's sampler (``make_sampler``) and the verification of a draft against the
-    same distribution: argmax when greedy, else softmax(top_p(logits) / temp)."""
-
-    def __init__(self, temp: float, top_p: float, banned: Sequence[int] = ()):
-        from mlx_lm.sample_utils import make_sampler
-
-        self.temp, self.top_p = temp, top_p
-        self._sample = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0)
-        # Control tokens that are not ends are never sampled (as ``Engine.decode``): their
-        # logits are -inf in every distribution this picker draws from or verifies against.
-        self.banned = sorted(set(banned))
-        self._mask = None
-
-    def masked(self, logits):
-        if not self.banned:
-            return logits
-        import mlx.core as mx
-
-        if self._mask is None or self._mask.shape[-1] != logits.shape[-1]:
-            ids = mx.array([t for t in self.banned if t < logits.shape[-1]])
-            mask = mx.zeros((logits.shape[-1],), dtype=logits.dtype)
-            self._mask = mask.at[ids].add(-float("inf")) if ids.size else mask
-        return logits + self._mask
-
-    def sample(self, logits):
-        return self._sample(self.masked(logits))
-
-    def probs(self, logits):
-        import mlx.core as mx
-        from mlx_lm.sample_utils import apply_top_p
-
-        if 0 < self.top_p < 1.0:
-            logits = apply_top_p(logits, self.top_p)
-        return mx.softmax(logits.astype(mx.float32) * (1.0 / self.temp), axis=-1)
-
-    def verify(self, logits, draft: Sequence[int]) -> tuple[int, int]:
-        """(drafts accepted, the next token) for ``logits`` [len(draft) + 1, vocab], row i
-        being the model's distribution after the pending token and ``draft[:i]``."""
-        import mlx.core as mx
-
-        k = len(draft)
-        logits = self.masked(logits)
-        if self.temp == 0:
-            choice = mx.argmax(logits, axis=-1).tolist()
-            a = next((i for i in range(k) if draft[i] != choice[i]), k)
-            return a, int(choice[a])
-        p = self.probs(logits)
-        px = p[mx.arange(k), mx.array(list(draft))]
-        u = mx.random.uniform(shape=(k,))
-        mx.eval(px, u)
-        px, u = px.tolist(), u.tolist()
-        a = next((i for i in range(k) if u[i] >= px[i]), k)
-        if a == k:  # every draft token accepted: the next one is a plain sample
-            return a, int(self._sample(logits[k:k + 1]).item())
-        # Rejected x: sample from p without x, renormalised (the residual of p - q, q = δx).
-        rest = mx.where(mx.arange(p.shape[-1]) == draft[a], 0.0, p[a])
-        return a, int(mx.random.categorical(mx.log(rest)).item())
-
-
 @dataclass(frozen=True)
 class Step:
     """One verify pass: of the draft, ``accepted`` tokens were kept; ``next`` is the model's
@@ -223,7 +164,7 @@ class Step:
 
 
 def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
-                     picker: Picker) -> Step:
+                     sampler: Sampler) -> Step:
     """Feed ``pending`` and ``draft`` in one forward pass, keep the agreeing prefix.
 
     Afterwards the cache holds ``pending`` and the accepted draft tokens, exactly as if fed one
@@ -233,7 +174,7 @@ def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
 
     at = mark(cache)
     logits = model(mx.array([pending, *draft])[None], cache=cache)[0]
-    accepted, nxt = picker.verify(logits, draft)
+    accepted, nxt = sampler.verify(logits, draft)
     if accepted < len(draft):
         rewind(model, cache, at, [pending, *draft[:accepted]])
     return Step(accepted, nxt, at)
@@ -241,12 +182,12 @@ def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
 
 def can_speculate(engine, options) -> bool:
     """Whether a turn may decode with lookup: asked for, an engine that can verify, and no
-    sampling settings this module does not reproduce (a penalty or a top-k changes p)."""
+    sampling settings a draft cannot be checked against (a penalty changes p with every token
+    it weighs; top-k and min-p are the same filter on every row, so they can)."""
     if (options.speculate or "lookup") != "lookup" or not engine.can_verify():
         return False
-    neutral = {"top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0),
-               "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-               "logit_bias": (None, {})}
+    neutral = {"repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0),
+               "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
     return all(getattr(options, name, None) in ok for name, ok in neutral.items())
 
 
@@ -267,14 +208,13 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
 
     if max_tokens <= 0:
         return
-    if options.seed is not None:
-        mx.random.seed(options.seed)
     model, eos = engine.model, frozenset(engine.eos_ids)
-    picker = Picker(options.temp, options.top_p, engine.hidden_ids - engine.eos_ids)
+    sampler = engine.sampler(options.temp, options.top_p, seed=options.seed,
+                             **options.sampling_extras())
     index = NgramIndex(context)
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
     policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
-    y = int(picker.sample(logits).item())
+    y = int(sampler.draw(logits).item())
     n = 0  # tokens yielded
     while True:
         if y in eos:
@@ -289,13 +229,13 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
         want = min(policy.want(), max_tokens - 2 - n)
         draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
-            nxt = picker.sample(model(mx.array([[y]]), cache=cache)[:, -1, :])
+            nxt = sampler.draw(model(mx.array([[y]]), cache=cache)[:, -1, :])
             mx.async_eval(nxt)
             yield y
             n += 1
             y = int(nxt.item())
             continue
-        step = speculative_step(model, cache, y, draft, picker)
+        step = speculative_step(model, cache, y, draft, sampler)
         stats.drafted += len(draft)
         stats.accepted += step.accepted
         stats.steps += 1

@@ -195,3 +195,40 @@ def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session):
         alone = [ev for ev in session.turn(session.conversation(f"alone{i}"), prompts[i],
                                            TurnOptions(max_tokens=40))][-1]
         assert alone.reply == done[i]
+
+
+@pytest.mark.parametrize("share", [1e-9, 1e9])
+def test_a_long_prompt_takes_chunks_the_size_of_a_share_of_a_decode_step(session, share):
+    """While other turns decode, a long prompt's chunks are sized by ``Pace``: with a tiny
+    share of a step they are the smallest chunk; with a huge one (the control) the whole
+    ``Engine.prefill`` chunk — the same prompt in a few chunks."""
+    from localchat.engine import PREFILL_CHUNK
+    from localchat.events import TurnFinished
+    from localchat.scheduler import MIN_CHUNK
+    from localchat.session import TurnOptions
+
+    prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 80]
+    convs = [session.conversation(f"pace{share}-{i}") for i in range(4)]
+    sched = Scheduler(session, max_batch=4, memory=2**30)
+    sched.pace.share = share
+    ended: set[int] = set()
+    chunks: list[tuple[int, bool]] = []  # (done, another turn still decoding)
+
+    def work(i: int) -> Work:
+        def emit(ev) -> None:
+            if isinstance(ev, PrefillProgress) and i == 3:
+                chunks.append((ev.done, len(ended) < 3))
+            if isinstance(ev, TurnFinished):
+                ended.add(i)
+            assert not isinstance(ev, BaseException), ev
+        return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=120)), emit)
+
+    sched.run_all([work(i) for i in range(4)])
+    done = [d for d, _ in chunks]
+    sizes = [(b - a, busy) for a, b, busy in zip([0, *done], done, [b for _, b in chunks])]
+    assert done[-1] > 300 and max(n for n, _ in sizes) <= PREFILL_CHUNK
+    busy = [n for n, b in sizes[2:-1] if b]
+    if share < 1:
+        assert len(busy) >= 5 and set(busy) == {MIN_CHUNK}, sizes
+    else:
+        assert len(sizes) <= 4 and max(n for n, _ in sizes) == PREFILL_CHUNK, sizes

@@ -12,6 +12,7 @@ from localchat import paths, speculative
 from localchat.engine import Engine
 from localchat.generation import Cancel, Run, TurnOptions, generate
 from localchat.kvcache import kinds as ck
+from localchat.sampler import Sampler
 from localchat.session import Session
 from localchat.turncache import Start
 
@@ -101,14 +102,14 @@ def test_accepting_a_wrong_draft_token_is_detected(built, monkeypatch):
     """Negative control: a verifier that keeps one rejected token changes the reply."""
     engine = built("llama")
     plain, _, tokens = decode_run(engine, COPY, "off")
-    real = speculative.Picker.verify
+    real = Sampler.verify
 
     def sloppy(self, logits, draft):
         a, nxt = real(self, logits, draft)
         return (a + 1, draft[a + 1] if a + 1 < len(draft) else nxt) if a < len(draft) else (
             a, nxt)
 
-    monkeypatch.setattr(speculative.Picker, "verify", sloppy)
+    monkeypatch.setattr(Sampler, "verify", sloppy)
     monkeypatch.setattr(speculative, "NgramIndex", oracle(plain.generated, len(tokens)))
     bad, _, _ = decode_run(engine, COPY, "lookup")
     assert bad.generated != plain.generated
@@ -163,7 +164,7 @@ def test_quantized_leaves_are_cut_back(tmp_path):
     second = int(mx.argmax(next_logits(engine, plain, first)).item())
     spec = quantized()
     step = speculative.speculative_step(engine.model, spec, tokens[-1],
-                                        [first, (second + 1) % 400, 7], speculative.Picker(0, 1))
+                                        [first, (second + 1) % 400, 7], Sampler(0, 1))
     assert (step.accepted, step.next) == (1, second)
     assert_same_cache(engine, plain, spec)
     assert type(spec[0]).__name__ == "QuantizedKVCache"
@@ -254,7 +255,7 @@ def sharp_rows(engine, draft):
 def test_the_acceptance_rule_keeps_the_distribution(engine):
     import mlx.core as mx
 
-    picker = speculative.Picker(1.0, 1.0)
+    picker = Sampler(1.0, 1.0)
     probe = sharp_rows(engine, [])
     p0 = mx.softmax(probe[0]).tolist()
     ranked = sorted(range(len(p0)), key=lambda t: -p0[t])
@@ -274,14 +275,14 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(engine):
     """Negative controls: always accepting, or resampling from p itself (x not removed)."""
     import mlx.core as mx
 
-    class AlwaysAccept(speculative.Picker):
+    class AlwaysAccept(Sampler):
         def verify(self, logits, draft):
-            return len(draft), int(self.sample(logits[-1:]).item())
+            return len(draft), int(self.draw(logits[-1:]).item())
 
-    class KeepsX(speculative.Picker):
+    class KeepsX(Sampler):
         def verify(self, logits, draft):
             a, _ = super().verify(logits, draft)
-            return a, int(self.sample(logits[a:a + 1]).item())
+            return a, int(self.draw(logits[a:a + 1]).item())
 
     probe = sharp_rows(engine, [])
     p0 = mx.softmax(probe[0]).tolist()
@@ -291,6 +292,28 @@ def test_a_wrong_acceptance_rule_fails_the_same_check(engine):
     for wrong in (AlwaysAccept(1.0, 1.0), KeepsX(1.0, 1.0)):
         first, _ = emitted(wrong, logits, [x0, 11], 3000)
         assert not chi_square_ok(first, p, 3000), type(wrong).__name__
+
+
+def test_top_k_and_min_p_drafts_keep_the_filtered_distribution(engine):
+    """A turn with top-k or min-p speculates too: the rule checks the draft against the
+    filtered distribution (negative control: a verifier that forgets the filter fails)."""
+    import mlx.core as mx
+
+    class ForgetsFilters(Sampler):
+        def probs(self, logits):
+            return mx.softmax(logits.astype(mx.float32) * (1.0 / self.temp), axis=-1)
+
+    probe = sharp_rows(engine, [])[:1] / 4.0
+    x0 = int(mx.argmax(probe[0]).item())
+    logits = sharp_rows(engine, [x0, 11]) / 4.0  # a broad distribution: the filters bite
+    for settings in ({"top_k": 3}, {"min_p": 0.6}):
+        right = Sampler(1.0, 1.0, **settings)
+        p = dict(enumerate(right.probs(logits[:1])[0].tolist()))
+        assert sum(1 for v in p.values() if v > 0) < 50  # the filter removed the tail
+        first, _ = emitted(right, logits, [x0, 11], 3000)
+        assert chi_square_ok(first, p, 3000), settings
+        first, _ = emitted(ForgetsFilters(1.0, 1.0, **settings), logits, [x0, 11], 3000)
+        assert not chi_square_ok(first, p, 3000), settings
 
 
 def test_sampled_turns_speculate_and_stay_reproducible(engine, monkeypatch):
