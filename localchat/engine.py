@@ -424,11 +424,11 @@ class Engine:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
         The tokens are chosen by ``self.sampler`` (``sampler.py``: greedy when ``temp`` is 0,
-        no control token that is not an end). The step for token n+1 is queued before token n is yielded
-        (MLX async eval), so the model works while the caller prints. ``stepped``: each model
-        step is yielded as a ``Step`` for a scheduler to run together with other turns'
-        (``scheduler.py``) instead of being run here; a ``seed`` then keeps its own random
-        stream, so a seeded turn samples as it would alone.
+        no control token that is not an end; a seeded turn samples as it would alone). The
+        step for token n+1 is queued before token n is yielded (MLX async eval), so the model
+        works while the caller prints. ``stepped``: each model step is yielded as a ``Step``
+        for a scheduler to run together with other turns' (``scheduler.py``) instead of being
+        run here.
         """
         import mlx.core as mx
 
