@@ -99,15 +99,17 @@ class Engine:
         # from this digest, and the thread is joined before MLX is used here.
         fetched = None if split else backend.prefetch(weights_cache, digest)
         # Neither imports transformers unless the tokenizer needs it (``tokenizer/``).
-        from .mlxlm import load_model
+        from .mlxlm import load_config, load_model
         from .tokenizer import load_tokenizer
 
-        if fetched is not None:
-            fetched.join()
         try:
+            # The tokenizer (no MLX) is built while the weights are still being read.
+            tokenizer, plan = load_tokenizer(
+                ref.path, eos_token_ids=load_config(ref.path).get("eos_token_id"))
+            if fetched is not None:
+                fetched.join()
             # Lazy: the quantized weights that the CPU path replaces are then never read.
             model, config = load_model(ref.path, lazy=True)
-            tokenizer, plan = load_tokenizer(ref.path, eos_token_ids=config.get("eos_token_id"))
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None

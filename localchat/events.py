@@ -33,6 +33,13 @@ class Step:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """A yield point of a turn that runs its own forward passes while a scheduler drives the
+    session (prompt lookup of a turn running alone, ``speculative.py``): the scheduler may
+    admit other turns before it goes on. Never reaches a front end."""
+
+
+@dataclass(frozen=True)
 class PrefillProgress:
     done: int
     total: int

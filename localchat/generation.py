@@ -92,7 +92,8 @@ class Run:
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
              options: TurnOptions, cancel: Cancel, run: Run,
              prior: Sequence[int] = (), stepped: bool = False,
-             chunk: Callable[[], int] | None = None) -> Iterator[Event]:
+             chunk: Callable[[], int] | None = None,
+             alone: Callable[[], bool] | None = None) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
     ``prior``: the tokens before ``new_tokens`` that the cache holds (the conversation so far),
@@ -102,7 +103,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
     ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch;
-    ``chunk``: the scheduler's prefill chunk size, asked before each chunk.
+    ``chunk``: the scheduler's prefill chunk size, asked before each chunk; ``alone``: whether
+    the turn runs alone under it now (it may then decode with prompt lookup).
     """
     cache = start.cache
 
@@ -148,14 +150,11 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     text = Streamed(options.stop)  # the answer, cut at a stop string
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
-    if stepped:  # a scheduler runs the steps, batched with other turns': plain decode
-        steps = engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                              options.top_p, **options.sampling_extras(), stepped=True)
-    else:
-        # Prompt lookup (``speculative.py``) or plain. Closed in ``finally`` so that a reply
-        # cut short leaves the cache holding exactly the tokens taken, no drafts past them.
-        steps = speculative.decode(engine, cache, logits, max_tokens, options,
-                                   [*prior, *new_tokens], run.lookup)
+    # Prompt lookup (``speculative.py``) or plain; under a scheduler, plain steps batched with
+    # other turns' (lookup only while the turn runs alone). Closed in ``finally`` so that a
+    # reply cut short leaves the cache holding exactly the tokens taken, no drafts past them.
+    steps = speculative.decode(engine, cache, logits, max_tokens, options,
+                               [*prior, *new_tokens], run.lookup, stepped, alone)
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on

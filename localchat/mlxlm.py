@@ -192,3 +192,13 @@ def load_model(path: Path, lazy: bool = True):
     except ImportError:
         module = importlib.import_module("mlx_lm.utils")
     return module.load_model(path, lazy=lazy)
+
+
+def load_config(path: Path) -> dict:
+    """``mlx_lm.utils.load_config(path)`` (config.json, with generation_config.json's EOS) without
+    transformers; the real one where the compiled copy cannot be made."""
+    try:
+        module = utils()
+    except ImportError:
+        module = importlib.import_module("mlx_lm.utils")
+    return module.load_config(path)

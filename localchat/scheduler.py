@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .events import Notice, PrefillProgress, Step
+from .events import Notice, Pause, PrefillProgress, Step
 
 BATCH_MEMORY_ENV = "LOCALCHAT_BATCH_MEMORY"  # bytes of K/V the running turns may hold
 
@@ -338,7 +338,7 @@ class Scheduler:
 
     def serve_forever(self) -> None:
         """Run queued jobs, for ever (the server's daemon thread)."""
-        self.session.stepped, self.session.prefill_chunk = True, self.pace.chunk
+        self._drive(True)
         while True:
             self.admit(block=not self.running)
             try:
@@ -351,13 +351,24 @@ class Scheduler:
         """Run ``works`` to their end (``batch --parallel``), in order of admission."""
         for w in works:
             self.put(w)
-        self.session.stepped, self.session.prefill_chunk = True, self.pace.chunk
+        self._drive(True)
         try:
             while self.running or self.queued:
                 self.admit(block=False)
                 self.round()
         finally:
-            self.session.stepped, self.session.prefill_chunk = False, None
+            self._drive(False)
+
+    def _drive(self, on: bool) -> None:
+        """Take the session's turns over (their decode steps come here) or give them back."""
+        s = self.session
+        s.stepped = on
+        s.prefill_chunk = self.pace.chunk if on else None
+        s.alone = self.alone if on else None
+
+    def alone(self) -> bool:
+        """Whether one turn runs and none waits: it may then decode with prompt lookup."""
+        return len(self.running) == 1 and not self.queued
 
     # -- admission
 
@@ -462,6 +473,8 @@ class Scheduler:
                 ev = next(turn.events)
                 if isinstance(ev, Step):
                     turn.step = ev
+                    return
+                if isinstance(ev, Pause):  # it ran a pass of its own: others may come in
                     return
                 if isinstance(ev, Notice) and ev.waiting:
                     turn.work.emit(ev)

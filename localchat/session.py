@@ -114,6 +114,7 @@ class Session:
         # steps come out as ``Step`` events, run in a batch with other turns'.
         self.stepped = False
         self.prefill_chunk = None  # the scheduler's chunk size, while it runs (``Pace``)
+        self.alone = None  # whether a turn runs alone under it, while it runs
         # Prompt lookup for turns whose options leave it open (``--speculate`` of chat/serve).
         self.speculate = "lookup"
 
@@ -342,7 +343,7 @@ class Session:
             try:
                 yield from generate(self.engine, new_tokens, start, max_tokens,
                                     self._speculating(options), cancel, run, tokens[:start.pos],
-                                    self.stepped, self.prefill_chunk)
+                                    self.stepped, self.prefill_chunk, self.alone)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -452,7 +453,8 @@ class Session:
         run = Run()
         yield from generate(self.engine, tokens[start.pos:], start, max_tokens,
                             self._speculating(options), cancel or Cancel(), run,
-                            tokens[:start.pos], self.stepped, self.prefill_chunk)
+                            tokens[:start.pos], self.stepped, self.prefill_chunk,
+                            self.alone)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"

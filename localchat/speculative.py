@@ -27,16 +27,23 @@ plain). Turns with sampling settings other than temperature and top-p decode pla
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
+from .events import Pause, Step
 from .kvcache import kinds as ck
 from .sampler import Sampler
 
-MIN_NGRAM = 3  # shortest suffix looked up: in free text 2-token matches were mostly wrong
+MIN_NGRAM = 2  # shortest suffix looked up (3 on bounded caches, where a miss costs a re-feed)
 MAX_NGRAM = 5  # longest suffix looked up; a longer match is found through its last 5 tokens
-MAX_DRAFT = 10  # most tokens verified at once (see ``Policy``; measured in scripts/bench_decode)
-START_DRAFT = 4
+MAX_DRAFT = 16  # most tokens verified at once
+START_DRAFT = 8
+FLOOR_DRAFT = 4  # shortest draft after a partial miss: a copy that changed a word goes on
+# (The policy was chosen by replaying the default model's plain replies to bench_decode's
+# copy-heavy and free-form tasks through each candidate offline, verify passes costed as
+# measured — a forward of k tokens ~ 1 + 0.08 + 0.025·k single steps: on the copy task 110
+# passes for 200 tokens with 3-grams, floor 1 and at most 10, 69 with these; free-form
+# unchanged at ~190. Measured end to end in scripts/bench_decode.py.)
 
 
 @dataclass
@@ -83,14 +90,15 @@ class NgramIndex:
 
 
 class Policy:
-    """How long the next draft is. Doubles after a fully accepted draft (copying), falls to what
-    was accepted + 1 otherwise, and after a draft with nothing accepted skips drafting for
-    1, 2, 4 … 16 steps as misses come in a row (free-form text then costs ~nothing; each miss
-    costs a wider forward pass, and on bounded caches one more forward to re-feed)."""
+    """How long the next draft is. Doubles after a fully accepted draft (copying), falls to
+    what was accepted + 1 (at least ``floor``) otherwise, and after a draft with nothing
+    accepted skips drafting for 1, 2, 4 … 16 steps as misses come in a row (free-form text
+    then costs ~nothing; each miss costs a wider forward pass, and on bounded caches one more
+    forward to re-feed)."""
 
     def __init__(self, start: int = START_DRAFT, most: int = MAX_DRAFT,
-                 min_ngram: int = MIN_NGRAM):
-        self.length, self.most = start, most
+                 min_ngram: int = MIN_NGRAM, floor: int = FLOOR_DRAFT):
+        self.length, self.most, self.floor = start, most, floor
         self.misses = 0
         self.skip = 0
         self.base = min_ngram
@@ -98,9 +106,10 @@ class Policy:
 
     @property
     def min_ngram(self) -> int:
-        """Shortest match that drafts: one token shorter while the reply is copying, so a
-        copy that changed a word (a renamed variable) is picked up again a token sooner."""
-        return self.base - 1 if self.hot else self.base
+        """Shortest match that drafts: one token shorter while the reply is copying (never
+        below 2: single tokens recur everywhere), so a copy that changed a word is picked up
+        again a token sooner."""
+        return max(2, self.base - 1) if self.hot else self.base
 
     def want(self) -> int:
         if self.skip:
@@ -114,7 +123,7 @@ class Policy:
             self.length = min(self.most, self.length * 2)
             self.misses = 0
         else:
-            self.length = max(1, accepted + 1)
+            self.length = min(self.most, max(self.floor, accepted + 1))
             self.misses = self.misses + 1 if accepted == 0 else 0
             self.skip = min(16, 2 ** (self.misses - 1)) if self.misses else 0
 
@@ -154,7 +163,7 @@ def rewind(model, cache: list, at: Mark, keep: Sequence[int]) -> None:
 
 
 @dataclass(frozen=True)
-class Step:
+class Verified:
     """One verify pass: of the draft, ``accepted`` tokens were kept; ``next`` is the model's
     token after them (pending: not fed); ``mark`` is the cache before the pass."""
 
@@ -164,7 +173,7 @@ class Step:
 
 
 def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
-                     sampler: Sampler) -> Step:
+                     sampler: Sampler) -> Verified:
     """Feed ``pending`` and ``draft`` in one forward pass, keep the agreeing prefix.
 
     Afterwards the cache holds ``pending`` and the accepted draft tokens, exactly as if fed one
@@ -177,7 +186,7 @@ def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
     accepted, nxt = sampler.verify(logits, draft)
     if accepted < len(draft):
         rewind(model, cache, at, [pending, *draft[:accepted]])
-    return Step(accepted, nxt, at)
+    return Verified(accepted, nxt, at)
 
 
 def can_speculate(engine, options) -> bool:
@@ -192,18 +201,27 @@ def can_speculate(engine, options) -> bool:
 
 
 def decode(engine, cache: list, logits, max_tokens: int, options, context: Sequence[int],
-           stats: LookupStats) -> Iterator[int]:
+           stats: LookupStats, stepped: bool = False,
+           alone: Callable[[], bool] | None = None) -> Iterator:
     """``Engine.decode`` with prompt lookup where ``can_speculate`` says so, else plain.
 
     ``context``: the tokens the cache holds (drafts are looked up in them and in the reply).
+    ``stepped``: a scheduler drives the turn (``Engine.decode``'s ``stepped``). A greedy turn
+    then still drafts while ``alone()`` says it runs alone — verifying by itself and pausing
+    (``Pause``) after each pass so that the scheduler can admit others — and otherwise yields
+    its plain steps as ``Step`` events for the batch. A sampled turn decodes plain there: its
+    draws then do not depend on what else runs.
     """
-    if not can_speculate(engine, options):
+    plain = not can_speculate(engine, options) or (
+        stepped and (alone is None or options.temp != 0))
+    if plain:
         return engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, **options.sampling_extras())
-    return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats)
+                             options.top_p, **options.sampling_extras(), stepped=stepped)
+    return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
+                          alone if stepped else None)
 
 
-def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
+def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, alone=None):
     import mlx.core as mx
 
     if max_tokens <= 0:
@@ -222,34 +240,44 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats):
             return
         if n == max_tokens - 1:
             yield y
-            mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
+            if alone is not None:
+                yield Step(mx.array([y]), cache)
+            else:
+                mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
             return
         index.append(y)
         # Drafts stay before the last allowed token, which is fed only when read on.
-        want = min(policy.want(), max_tokens - 2 - n)
+        want = min(policy.want(), max_tokens - 2 - n) if alone is None or alone() else 0
         draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
-            nxt = sampler.draw(model(mx.array([[y]]), cache=cache)[:, -1, :])
+            if alone is not None:  # the scheduler runs it, in a batch with others' steps
+                step = Step(mx.array([y]), cache)
+                yield step
+                nxt = sampler.draw(step.logits)
+            else:
+                nxt = sampler.draw(model(mx.array([[y]]), cache=cache)[:, -1, :])
             mx.async_eval(nxt)
             yield y
             n += 1
             y = int(nxt.item())
             continue
-        step = speculative_step(model, cache, y, draft, sampler)
+        ver = speculative_step(model, cache, y, draft, sampler)
         stats.drafted += len(draft)
-        stats.accepted += step.accepted
+        stats.accepted += ver.accepted
         stats.steps += 1
-        policy.update(len(draft), step.accepted)
-        out = [y, *draft[:step.accepted]]
+        policy.update(len(draft), ver.accepted)
+        out = [y, *draft[:ver.accepted]]
         for j, tok in enumerate(out):
             try:
                 yield tok
             except GeneratorExit:
                 # The caller stopped after out[j]: give back what it did not take.
                 if j + 1 < len(out):
-                    rewind(model, cache, step.mark, out[:j + 1])
+                    rewind(model, cache, ver.mark, out[:j + 1])
                 raise
             n += 1
             if j:
                 index.append(tok)
-        y = step.next
+        y = ver.next
+        if alone is not None:
+            yield Pause()

@@ -243,6 +243,9 @@ def main() -> None:
     history = args.history or benchlib.pick(args, 1024, 1024, 128)
     home = benchlib.scratch_home()
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
+    # A user's Python keeps compiled bytecode (warm-up runs write it): a shell that turns that
+    # off would time the compiling of every module at every start.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     # ``python -m``/``-c`` put the working folder first on the path: a folder without a
     # localchat in it, so that PYTHONPATH says which version runs.
     os.chdir(home)

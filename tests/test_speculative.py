@@ -90,7 +90,8 @@ def test_greedy_lookup_equals_plain_on_every_family(built, family, monkeypatch):
         assert_same_cache(engine, pc, gc)
         # Oracle drafts: long accepted runs, cut drafts, rewinds of every cache kind.
         with monkeypatch.context() as m:
-            m.setattr(speculative, "NgramIndex", oracle(plain.generated, len(tokens)))
+            m.setattr(speculative, "NgramIndex",
+                      oracle(plain.generated, len(tokens), wrong_every=2))
             forced, fc, _ = decode_run(engine, prompt, "lookup")
         assert forced.lookup.accepted >= len(plain.generated) // 3, forced.lookup
         assert forced.lookup.accepted < forced.lookup.drafted
@@ -325,7 +326,7 @@ def test_sampled_turns_speculate_and_stay_reproducible(engine, monkeypatch):
 
 
 def test_drafting_backs_off_after_misses_and_warms_up_while_copying():
-    p = speculative.Policy(start=4, most=10, min_ngram=3)
+    p = speculative.Policy(start=4, most=10, min_ngram=3, floor=3)
     assert (p.want(), p.min_ngram) == (4, 3)
     p.update(4, 4)
     assert (p.want(), p.min_ngram) == (8, 2)  # whole draft kept: longer, shorter matches
@@ -333,6 +334,8 @@ def test_drafting_backs_off_after_misses_and_warms_up_while_copying():
     assert p.want() == 10
     p.update(10, 3)
     assert (p.want(), p.min_ngram) == (4, 2)
+    p.update(4, 1)
+    assert p.want() == 3  # (the floor: a copy that changed a word goes on)
     skipped = []
     for _ in range(3):  # misses in a row: 1, 2, then 4 plain steps before drafting again
         p.update(p.length, 0)
@@ -341,3 +344,39 @@ def test_drafting_backs_off_after_misses_and_warms_up_while_copying():
             n += 1
         skipped.append(n)
     assert skipped == [1, 2, 4] and p.min_ngram == 3
+    assert speculative.Policy(min_ngram=2, floor=1).min_ngram == 2
+    hot = speculative.Policy(min_ngram=2)
+    hot.update(4, 4)
+    assert hot.min_ngram == 2  # never single tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("gate", ["alone", "never"])
+def test_a_greedy_turn_alone_under_the_scheduler_drafts_and_gives_the_plain_reply(
+        built, family, gate, store, monkeypatch):
+    """``serve`` and ``batch --parallel`` run turns on the scheduler: one running alone drafts
+    (its own verify passes between rounds) and gives the plain reply; the control gate (never
+    alone) decodes plain batched steps — no drafts, the same reply."""
+    from localchat.events import TurnFinished
+    from localchat.scheduler import Scheduler, Work
+
+    engine = built(family)
+    session = Session(store, engine, paths.kv_root(), paths.locks_dir())
+    off = list(session.turn(session.conversation(f"off-{family}-{gate}"), COPY,
+                            TurnOptions(max_tokens=30, speculate="off")))[-1]
+    monkeypatch.setattr(speculative, "NgramIndex",
+                        oracle(off.tokens, off.usage.prompt_tokens))
+    sched = Scheduler(session, max_batch=4, memory=2**30)
+    if gate == "never":
+        monkeypatch.setattr(sched, "alone", lambda: False)
+    got: list = []
+    conv = session.conversation(f"on-{family}-{gate}")
+    sched.run_all([Work(lambda s: s.turn(conv, COPY, TurnOptions(max_tokens=30)),
+                        lambda ev: got.append(ev))])
+    done = next(ev for ev in got if isinstance(ev, TurnFinished))
+    assert done.tokens == off.tokens
+    if gate == "alone":
+        assert done.usage.lookup_drafted > 0 and done.usage.lookup_accepted > 0
+    else:
+        assert done.usage.lookup_drafted == 0
+    assert not any(type(ev).__name__ in ("Step", "Pause") for ev in got)
