@@ -104,7 +104,7 @@ class LocalchatApp(Actions, App):
         self._thinking = None
         self._loaded_model: str | None = None
         self._cancel: Cancel | None = None  # the running turn's
-        self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill
+        self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill, count
         # All MLX work runs on this one thread, one job at a time: a draft still finishing
         # its chunk when Enter comes (or a model loads) is waited for, never run beside.
         self.mlx = MLXThread()
@@ -285,7 +285,7 @@ class LocalchatApp(Actions, App):
         status.activity = ""
         for text in msg.notices:
             self.notify(text, severity="warning", timeout=20)
-        self.update_draft_count()
+        self.drafts.show_count()
         self.drafts.schedule()
 
     def on_model_failed(self, msg: ModelFailed) -> None:
@@ -380,7 +380,7 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).show_usage(msg.usage)
         if self.sync_current():
             self.refresh_sidebar()
-        self.update_draft_count()  # (the hint of a message sent too early goes)
+        self.drafts.show_count()  # (the hint of a message sent too early goes)
         self.drafts.schedule()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
@@ -390,7 +390,7 @@ class LocalchatApp(Actions, App):
         status = self.query_one(StatusBar)
         status.activity = ""
         status.replying = False
-        self.update_draft_count()
+        self.drafts.show_count()
         self.notify(msg.text, severity="error", timeout=15)
         # Show what is stored, and give an unsent message back to the composer.
         self.sync_current()
@@ -405,34 +405,15 @@ class LocalchatApp(Actions, App):
             await self._stream.stop()
             self._stream = None
 
-    # -- the draft: its token count, and its prefill while it is unsent ----------------------
+    # -- the draft: its token count, and its prefill while it is unsent (``drafting.py``) ----
 
     @on(Composer.Changed)
     def draft_changed(self) -> None:
-        self.update_draft_count()
+        self.drafts.show_count()
         self.drafts.schedule()
 
     def on_draft_advanced(self, msg: DraftAdvanced) -> None:
         self.drafts.advanced(msg)
-
-    def action_toggle_draft_prefill(self) -> None:
-        self.drafts.enabled = not self.drafts.enabled
-        self.drafts.schedule()
-        self.notify("draft prefill " + ("on: a message is prefilled while you type"
-                                        if self.drafts.enabled else "off"))
-
-    def update_draft_count(self) -> None:
-        text = self.query_one(Composer).text
-        label = self.query_one("#draft", Label)
-        if self.session is None:
-            label.update("")
-            return
-        # The tokenizer is not MLX and fast enough for typing speed (``count_tokens``).
-        n = self.session.count_tokens(text)
-        per = f" ({n / len(text):.2f} per character)" if text.strip() else ""
-        hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
-        label.update(f"{n} tokens{per} · {hint}"
-                     + (" · editing last message" if self.editing else ""))
 
     # -- a bug: keep the unsent message, log the traceback, give the terminal back ----------
 
