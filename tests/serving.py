@@ -1,4 +1,5 @@
-"""``localchat serve`` in a subprocess for the tests, and a plain HTTP POST helper.
+"""``localchat serve`` in a subprocess for the tests, a plain HTTP POST helper, a streaming
+client's reply, and the checks on a client that goes away mid-stream.
 
 Every request goes to 127.0.0.1 (or [::1]), with timeouts. ``scripted``: the model's replies
 are scripted (``scripted_serve.py``), to make a tiny model call a tool.
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import anthropic
 import openai
+
+from localchat.store import Conversation, Message, Store
 
 KINDS = ["llama", "gemma3_text", "qwen3_next"]  # growing; sliding window; hybrid (recurrent)
 
@@ -95,3 +98,47 @@ def post(url: str, body: bytes | str, headers: dict | None = None) -> tuple[int,
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
+
+
+def streamed_reply(s: Server, messages: list[dict], max_tokens: int, api: str = "openai") -> str:
+    """A greedy reply as the OpenAI (or, ``api="anthropic"``, the Anthropic) client streams it."""
+    if api == "openai":
+        chunks = s.openai().chat.completions.create(
+            model="localchat", max_tokens=max_tokens, temperature=0, stream=True,
+            messages=messages)
+        return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    with s.anthropic().messages.stream(model="localchat", max_tokens=max_tokens,
+                                       messages=messages,
+                                       extra_body={"temperature": 0}) as stream:
+        return "".join(stream.text_stream)
+
+
+# A request whose client goes away after a few chunks; its reply could run to 900 tokens.
+LONG_STREAM = {"model": "localchat", "max_tokens": 900, "temperature": 0, "stream": True,
+               "messages": [{"role": "user", "content": "Talk for a very long time about rain."}]}
+
+
+def gone_client_reply(home: Path) -> tuple[Conversation, Message]:
+    """The conversation of ``LONG_STREAM``'s client that went away and its last message, once
+    the server has stored the partial reply (waited for up to 20 s)."""
+    store = Store.open(home / "localchat.db")
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            conv = next((c for c in store.list() if "talk" in c.name), None)
+            if conv is not None and store.messages(conv)[-1].role == "assistant":
+                break
+            time.sleep(0.1)
+        return conv, store.messages(conv)[-1]
+    finally:
+        store.close()
+
+
+def cached_after_gone_client(s: Server, partial: Message) -> int:
+    """The cached tokens of the gone client's next request: its partial reply sent back, then
+    "Go on."."""
+    history = LONG_STREAM["messages"] + [{"role": "assistant", "content": partial.content},
+                                         {"role": "user", "content": "Go on."}]
+    nxt = s.openai().chat.completions.create(model="localchat", max_tokens=8, temperature=0,
+                                             messages=history)
+    return nxt.usage.prompt_tokens_details.cached_tokens

@@ -78,7 +78,7 @@ LAYERS = {
                 "localchat.replies", "localchat.cachereport", "localchat.scheduler",
                 "localchat.prefillmodel", "localchat.tools", "localchat.tools.*"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
-                   "localchat.cli_session", "localchat.cli_tools",
+                   "localchat.cli_session", "localchat.cli_tools", "localchat.cli_inspect",
                    "localchat.batch", "localchat.batchlines", "localchat.parallel",
                    "localchat.tui", "localchat.tui.*", "localchat.server", "localchat.server.*",
                    "localchat.cluster.launch", "localchat.cluster.follower"],

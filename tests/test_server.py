@@ -17,7 +17,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from serving import KINDS, post
+from serving import (
+    KINDS,
+    LONG_STREAM,
+    cached_after_gone_client,
+    gone_client_reply,
+    post,
+    streamed_reply,
+)
 from tiny import build_tiny_model
 from twins import full_prefill
 
@@ -174,13 +181,7 @@ def test_four_streaming_clients_and_one_that_goes_away(server, tmp_path):
     replies: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        text = ""
-        for chunk in s.openai().chat.completions.create(
-                model="localchat", max_tokens=24, temperature=0, stream=True,
-                messages=[{"role": "user", "content": prompts[i]}]):
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-        replies[i] = text
+        replies[i] = streamed_reply(s, [{"role": "user", "content": prompts[i]}], 24)
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
     for t in threads:
@@ -195,32 +196,19 @@ def test_four_streaming_clients_and_one_that_goes_away(server, tmp_path):
             messages=[{"role": "user", "content": prompts[i]}])
         assert again.choices[0].message.content.strip() == replies[i].strip()
     # A client that goes away mid-stream: its decode stops within a token or two.
-    long = {"model": "localchat", "max_tokens": 900, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": "Talk for a very long time about rain."}]}
-    req = urllib.request.Request(f"{s.url}/v1/chat/completions", data=json.dumps(long).encode(),
+    req = urllib.request.Request(f"{s.url}/v1/chat/completions",
+                                 data=json.dumps(LONG_STREAM).encode(),
                                  headers={"Content-Type": "application/json"}, method="POST")
     resp = urllib.request.urlopen(req, timeout=60)
     for _ in range(6):
         resp.readline()  # a few chunks have come (data lines and blank lines)
     resp.close()
-    deadline = time.monotonic() + 20
-    store = Store.open(tmp_path / "home" / "localchat.db")
-    while time.monotonic() < deadline:
-        conv = next((c for c in store.list() if "talk" in c.name), None)
-        if conv is not None and store.messages(conv)[-1].role == "assistant":
-            break
-        time.sleep(0.1)
-    last = store.messages(conv)[-1]
+    conv, last = gone_client_reply(tmp_path / "home")
     # Stopped within a few tokens of what was read (the prompt is ~30 tokens; the reply
     # could run to 900).
     assert last.role == "assistant" and last.partial and conv.tokens < 100, conv.tokens
-    store.close()
     # Its next request (the partial reply re-sent) resumes from that cache exactly.
-    history = long["messages"] + [{"role": "assistant", "content": last.content},
-                                  {"role": "user", "content": "Go on."}]
-    nxt = s.openai().chat.completions.create(model="localchat", max_tokens=8, temperature=0,
-                                             messages=history)
-    assert nxt.usage.prompt_tokens_details.cached_tokens >= conv.tokens - 2
+    assert cached_after_gone_client(s, last) >= conv.tokens - 2
     s.stop()
 
 

@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 from families import build_family
-from serving import Server
+from serving import (
+    LONG_STREAM,
+    Server,
+    cached_after_gone_client,
+    gone_client_reply,
+    streamed_reply,
+)
 from twins import full_prefill
 
 from localchat import paths
@@ -47,20 +53,7 @@ def prompts(n: int) -> list[str]:
 
 def ask(s: Server, i: int, messages: list[dict], out: dict) -> None:
     """Client ``i`` streams its reply (even: OpenAI, odd: Anthropic) into ``out[i]``."""
-    text = ""
-    if i % 2 == 0:
-        for chunk in s.openai().chat.completions.create(
-                model="localchat", max_tokens=TOKENS, temperature=0, stream=True,
-                messages=messages):
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ""
-    else:
-        with s.anthropic().messages.stream(model="localchat", max_tokens=TOKENS,
-                                           messages=messages,
-                                           extra_body={"temperature": 0}) as stream:
-            for piece in stream.text_stream:
-                text += piece
-    out[i] = text
+    out[i] = streamed_reply(s, messages, TOKENS, "openai" if i % 2 == 0 else "anthropic")
 
 
 def all_at_once(s: Server, chats: list[list[dict]]) -> list[str]:
@@ -141,9 +134,7 @@ def test_a_client_killed_mid_stream_leaves_the_others_alone(models, tmp_path):
     finally:
         lone.stop()
     s = Server(tmp_path / "home", models["llama"]).start()
-    long = {"model": "localchat", "max_tokens": 900, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": "Talk for a very long time about rain."}]}
-    body = json.dumps(long).encode()
+    body = json.dumps(LONG_STREAM).encode()
     sock = socket.create_connection(("127.0.0.1", s.port), timeout=60)
     sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
                  b"application/json\r\nContent-Length: " + str(len(body)).encode()
@@ -160,21 +151,9 @@ def test_a_client_killed_mid_stream_leaves_the_others_alone(models, tmp_path):
     for t in threads:
         t.join(180)
     assert [out.get(i) for i in range(3)] == reference
-    store = Store.open(tmp_path / "home" / "localchat.db")
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        conv = next((c for c in store.list() if "talk" in c.name), None)
-        if conv is not None and store.messages(conv)[-1].role == "assistant":
-            break
-        time.sleep(0.1)
-    last = store.messages(conv)[-1]
+    conv, last = gone_client_reply(tmp_path / "home")
     assert last.role == "assistant" and last.partial and conv.tokens < 400, conv.tokens
-    store.close()
-    history = long["messages"] + [{"role": "assistant", "content": last.content},
-                                  {"role": "user", "content": "Go on."}]
-    nxt = s.openai().chat.completions.create(model="localchat", max_tokens=8, temperature=0,
-                                             messages=history)
-    assert nxt.usage.prompt_tokens_details.cached_tokens >= conv.tokens - 2
+    assert cached_after_gone_client(s, last) >= conv.tokens - 2
     assert s.stop() == 0
     assert "Traceback" not in s.err
 

@@ -67,7 +67,7 @@ class Actions:
         composer.text = users[-1].content
         composer.focus()
         self.editing = True
-        self.update_draft_count()
+        self.drafts.show_count()
 
     def action_rename(self) -> None:
         if self.dialog_open or self.current is None:
@@ -240,7 +240,7 @@ class Actions:
         yield SystemCommand(
             "Draft prefill: " + ("turn off" if self.drafts.enabled else "turn on"),
             "Prefill the message while you type, so the reply starts at once "
-            "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.action_toggle_draft_prefill)
+            "(LOCALCHAT_DRAFT_PREFILL=0 starts with it off)", self.drafts.toggle)
         yield SystemCommand(
             "Thinking: " + ("turn on" if self.current and self.current.thinking is False
                             else "turn off"),

@@ -2,9 +2,9 @@
 
 What it is: a Textual front end over ``Session`` — no model logic here. All MLX work (loading
 a model, every turn, the draft prefill of the unsent message) runs on one thread
-(``mlxthread.py``), one job at a time; the workers post messages (``messages.py``) and this
-thread renders them; the unsent message's prefill is timed by ``drafting.py``. Run it with
-``localchat`` or ``localchat chat [-c NAME] [-m MODEL]`` (``run.py``).
+(``mlxthread.py``), one job at a time; the workers post messages (``messages.py``; a turn's in
+``turnworker.py``) and this thread renders them; the unsent message's prefill is timed by
+``drafting.py``. Run it with ``localchat`` or ``localchat chat [-c NAME] [-m MODEL]`` (``run.py``).
 
 Other processes (``ask``, ``rm``, another app) may change the conversations while the app
 runs: it polls the database's change counter every second and follows a rename, shows new
@@ -29,25 +29,11 @@ from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
 from .. import crashlog, paths
-from ..engine import Engine, now
+from ..engine import Engine
 from ..errors import LocalchatError
-from ..events import (
-    Notice,
-    PrefillProgress,
-    ReasoningChunk,
-    ReplyChunk,
-    ToolCallFinished,
-    ToolCallStarted,
-    TurnFinished,
-)
 from ..fmt import visible
 from ..models import DEFAULT_MODEL
-from ..session import (
-    Cancel,
-    Session,
-    TurnOptions,
-    open_session,
-)
+from ..session import Cancel, Session, open_session
 from ..store import Conversation, Store
 from .actions import Actions
 from .chatview import ChatView
@@ -69,6 +55,7 @@ from .mlxthread import MLXThread
 from .sidebar import Sidebar
 from .statusbar import StatusBar
 from .tooling import AppTools, ToolCallPosted
+from .turnworker import run_turn
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
 class LocalchatApp(Actions, App):
@@ -117,7 +104,7 @@ class LocalchatApp(Actions, App):
         self._thinking = None
         self._loaded_model: str | None = None
         self._cancel: Cancel | None = None  # the running turn's
-        self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill
+        self.drafts = DraftTimer(self, draft_prefill)  # the unsent message's prefill, count
         # All MLX work runs on this one thread, one job at a time: a draft still finishing
         # its chunk when Enter comes (or a model loads) is waited for, never run beside.
         self.mlx = MLXThread()
@@ -298,7 +285,7 @@ class LocalchatApp(Actions, App):
         status.activity = ""
         for text in msg.notices:
             self.notify(text, severity="warning", timeout=20)
-        self.update_draft_count()
+        self.drafts.show_count()
         self.drafts.schedule()
 
     def on_model_failed(self, msg: ModelFailed) -> None:
@@ -353,43 +340,7 @@ class LocalchatApp(Actions, App):
     @work(thread=True, exclusive=True, group="mlx")
     def turn_worker(self, conv: Conversation, prompt: str | None, kind: str,
                     cancel: Cancel) -> None:
-        self.mlx.call(self._run_turn, conv, prompt, kind, cancel)  # after a draft's chunk
-
-    def _run_turn(self, conv: Conversation, prompt: str | None, kind: str,
-                  cancel: Cancel) -> None:
-        session = self.session
-        options = TurnOptions(**session.engine.sampling().turn_fields(
-            max_tokens=self.max_tokens, temp=self.temp), speculate=self.speculate)
-        try:
-            if kind == "regenerate":
-                events = session.regenerate(conv, options, cancel)
-            elif kind == "edit":
-                events = session.edit_last(conv, prompt, options, cancel)
-            else:
-                events = self.tool_box.events(session, conv, prompt, options, cancel)
-            last = None  # a round that ended in tool calls is not the turn's end...
-            for ev in events:
-                if isinstance(ev, ReplyChunk):
-                    self.post_message(ReplyStreamed(ev.text, ev.generated, ev.thinking, now()))
-                elif isinstance(ev, ReasoningChunk):
-                    self.post_message(ReasoningStreamed(ev.text, ev.generated, ev.thinking,
-                                                        now()))
-                elif isinstance(ev, PrefillProgress):
-                    self.post_message(PrefillAdvanced(ev.done, ev.total))
-                elif isinstance(ev, Notice):
-                    self.post_message(TurnNoticed(ev.text))
-                elif isinstance(ev, (ToolCallStarted, ToolCallFinished)):
-                    self.post_message(ToolCallPosted(ev))
-                elif isinstance(ev, TurnFinished):
-                    last = ev
-                    if not ev.tool_calls:
-                        self.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
-            if last is not None and last.tool_calls:  # ...unless no reply followed it
-                self.post_message(TurnFinishedMsg(last.usage, last.reply, last.stopped))
-        except LocalchatError as err:
-            self.post_message(TurnFailed(str(err), prompt))
-        except Exception as err:  # noqa: BLE001 - a bug must not close the app and lose the draft
-            self.post_message(TurnFailed(f"{type(err).__name__}: {err}", prompt))
+        self.mlx.call(run_turn, self, conv, prompt, kind, cancel)  # after a draft's chunk
 
     def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
         self.query_one(StatusBar).activity = f"prefilling {msg.done}/{msg.total} tokens…"
@@ -429,7 +380,7 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).show_usage(msg.usage)
         if self.sync_current():
             self.refresh_sidebar()
-        self.update_draft_count()  # (the hint of a message sent too early goes)
+        self.drafts.show_count()  # (the hint of a message sent too early goes)
         self.drafts.schedule()  # what was typed during the reply
 
     async def on_turn_failed(self, msg: TurnFailed) -> None:
@@ -439,7 +390,7 @@ class LocalchatApp(Actions, App):
         status = self.query_one(StatusBar)
         status.activity = ""
         status.replying = False
-        self.update_draft_count()
+        self.drafts.show_count()
         self.notify(msg.text, severity="error", timeout=15)
         # Show what is stored, and give an unsent message back to the composer.
         self.sync_current()
@@ -454,34 +405,15 @@ class LocalchatApp(Actions, App):
             await self._stream.stop()
             self._stream = None
 
-    # -- the draft: its token count, and its prefill while it is unsent ----------------------
+    # -- the draft: its token count, and its prefill while it is unsent (``drafting.py``) ----
 
     @on(Composer.Changed)
     def draft_changed(self) -> None:
-        self.update_draft_count()
+        self.drafts.show_count()
         self.drafts.schedule()
 
     def on_draft_advanced(self, msg: DraftAdvanced) -> None:
         self.drafts.advanced(msg)
-
-    def action_toggle_draft_prefill(self) -> None:
-        self.drafts.enabled = not self.drafts.enabled
-        self.drafts.schedule()
-        self.notify("draft prefill " + ("on: a message is prefilled while you type"
-                                        if self.drafts.enabled else "off"))
-
-    def update_draft_count(self) -> None:
-        text = self.query_one(Composer).text
-        label = self.query_one("#draft", Label)
-        if self.session is None:
-            label.update("")
-            return
-        # The tokenizer is not MLX and fast enough for typing speed (``count_tokens``).
-        n = self.session.count_tokens(text)
-        per = f" ({n / len(text):.2f} per character)" if text.strip() else ""
-        hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
-        label.update(f"{n} tokens{per} · {hint}"
-                     + (" · editing last message" if self.editing else ""))
 
     # -- a bug: keep the unsent message, log the traceback, give the terminal back ----------
 

@@ -1,14 +1,17 @@
-"""The app's side of draft prefill: when the unsent message is prefilled, and its figures.
+"""The app's side of the unsent message: when it is prefilled, its figures, its token count.
 
 What it is: ``DraftTimer``, owned by the app. Once the message box has been still for
 ``DRAFT_DELAY``, it runs the session's ``Drafts.prefill`` on the MLX thread (after whatever job
 is there; never beside a reply or a model load), stops it at the next keystroke, and shows
-its progress in the status bar. What it is not: which tokens are prefilled (``drafts.py``).
+its progress in the status bar; under the box it says the text's token count. What it is not:
+which tokens are prefilled (``drafts.py``).
 """
 
 from __future__ import annotations
 
 import os
+
+from textual.widgets import Label
 
 from ..errors import LocalchatError
 from ..generation import Cancel
@@ -27,7 +30,7 @@ def draft_prefill_default() -> bool:
 
 
 class DraftTimer:
-    """Schedules, runs and stops the prefill of ``app``'s unsent message."""
+    """Schedules, runs and stops the prefill of ``app``'s unsent message; counts its tokens."""
 
     def __init__(self, app, enabled: bool | None = None):
         self.app = app
@@ -83,6 +86,28 @@ class DraftTimer:
             pass  # the turn meets it too if the message is sent, and says so then
         except Exception as err:  # noqa: BLE001 - a bug here must not close the app
             app.post_message(TurnNoticed(f"draft prefill: {type(err).__name__}: {err}"))
+
+    def toggle(self) -> None:
+        """Turn draft prefill on or off (the palette's "Draft prefill")."""
+        self.enabled = not self.enabled
+        self.schedule()
+        self.app.notify("draft prefill " + ("on: a message is prefilled while you type"
+                                            if self.enabled else "off"))
+
+    def show_count(self) -> None:
+        """The message box's token count, said under it."""
+        app = self.app
+        text = app.query_one(Composer).text
+        label = app.query_one("#draft", Label)
+        if app.session is None:
+            label.update("")
+            return
+        # The tokenizer is not MLX and fast enough for typing speed (``count_tokens``).
+        n = app.session.count_tokens(text)
+        per = f" ({n / len(text):.2f} per character)" if text.strip() else ""
+        hint = "Enter sends · Shift+Enter or Ctrl+J: new line"
+        label.update(f"{n} tokens{per} · {hint}"
+                     + (" · editing last message" if app.editing else ""))
 
     def advanced(self, msg: DraftAdvanced) -> None:
         if msg.cancel is not self.cancel or msg.cancel.is_set() or self.app.busy:
