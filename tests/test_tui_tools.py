@@ -17,7 +17,9 @@ from test_tools import (  # noqa: F401
     FAULTS,
     PROBE_CALL,
     TIME_CALL,
+    called_pid,
     git_call,
+    group_alive,
     repo,
     time_server,
     tool_model,  # noqa: F401  (the fixture)
@@ -154,6 +156,25 @@ async def test_esc_stops_a_hanging_call(home, tool_engine):
         assert heads(app) == ['tool probe {"what": "x"} · stopped']
         msgs = app.store.messages(app.current)
         assert [(m.role, m.content) for m in msgs][1:] == [("assistant", ""), ("tool", STOPPED)]
+
+
+async def test_quitting_during_a_hanging_call_leaves_no_server(home, tool_engine, tmp_path):
+    pidfile = tmp_path / "server.pid"
+    configure(home, {"slow": {"command": sys.executable, "args": [str(FAULTS), "hang"],
+                              "timeout": 600, "env": {"MCP_FAULTS_PID": str(pidfile)}}})
+    app = make(tool_engine, [PROBE_CALL, "never said"])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Try it")
+        await approval(app, pilot)
+        await pilot.press("a")
+        t0 = time.monotonic()
+        while (pid := called_pid(pidfile)) is None:
+            assert time.monotonic() - t0 < 60, "the server's tool was never called"
+            await pilot.pause(0.1)
+        assert group_alive(pid)  # the control: the check sees the server while the app runs
+        await pilot.press("ctrl+q")
+    assert not group_alive(pid)
 
 
 async def test_turning_a_server_off_re_renders_as_tools_changed(home, tool_engine):
