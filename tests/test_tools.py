@@ -342,7 +342,10 @@ def test_a_huge_result_is_cut_with_a_notice(home, tmp_path, tool_model, scripted
     assert call["outcome"] == "ran" and call["full_chars"] == 5 * 2**20
     assert call["result"].startswith("x" * 8192 + "\n[result cut")
     assert call["result"].endswith(f"[result cut: {5 * 2**20:,} characters in all]")
-    assert "localchat: tool probe: its result (5.0 MB) was cut to 8,192 characters" in err
+    notices = [line for line in err.splitlines() if line.startswith("localchat: tool")]
+    assert notices == ["localchat: tool probe: its result (5.0 MB) was cut to 8,192 "
+                       "characters for the model"]  # one notice, and the reply went on
+    assert json.loads(out)["reply"] == "Long."
     store = Store.open(paths.database_path())
     tool = store.messages(store.get("h"))[2]
     assert tool.content == call["result"] and tool.extra["full_chars"] == 5 * 2**20

@@ -103,6 +103,13 @@ async def test_calls_are_approved_shown_stored_and_shown_after_a_restart(
         assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"] * 3
         status = str(app.query_one("StatusBar").render())
         assert "miss:" not in status  # the last round resumed from the call's cache
+        # Each round after a call resumed from the call's cache: only its result prefilled.
+        turns = app.store.turns(app.current)
+        assert len(turns) == 6  # (per message: the round that calls, the round after)
+        for (call, after), result in zip(zip(turns[::2], turns[1::2]), msgs[2::4]):
+            assert after.cached_tokens >= call.prompt_tokens + call.completion_tokens - 2
+            assert after.prefilled_tokens <= len(result.content) + 30
+            assert after.miss_reason == ""
     # A restart shows the calls and their results from the store.
     again = make(tool_engine, [])
     again.want_conversation = name
@@ -156,6 +163,31 @@ async def test_esc_stops_a_hanging_call(home, tool_engine):
         assert heads(app) == ['tool probe {"what": "x"} · stopped']
         msgs = app.store.messages(app.current)
         assert [(m.role, m.content) for m in msgs][1:] == [("assistant", ""), ("tool", STOPPED)]
+
+
+async def test_each_fault_server_is_one_notice_and_the_conversation_goes_on(home, tool_engine):
+    configure(home, {"gone": {"command": sys.executable, "args": [str(FAULTS), "exit"]},
+                     "bad": {"command": sys.executable, "args": [str(FAULTS), "raise"],
+                             "timeout": 60}})
+    app = make(tool_engine, [PROBE_CALL, "Went on.", "Still here."])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "Try it")
+        await approval(app, pilot)
+        await pilot.press("a")
+        await settle(app, pilot)
+        said = [n.message for n in app._notifications]
+        assert len([m for m in said if m.startswith("MCP server gone: did not start")]) == 1
+        assert len([m for m in said if m.startswith("tool probe: probe failed: ")]) == 1
+        assert heads(app)[0].startswith('tool probe {"what": "x"} · failed')
+        assert replies(app)[-1] == "Went on."
+        await type_and_send(pilot, "And now?")
+        await settle(app, pilot)
+        assert replies(app)[-1] == "Still here."
+        assert len(app._notifications) == len(said)  # (nothing said again)
+        msgs = app.store.messages(app.current)
+        assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant",
+                                          "user", "assistant"]
 
 
 async def test_quitting_during_a_hanging_call_leaves_no_server(home, tool_engine, tmp_path):
