@@ -383,7 +383,17 @@ def test_several_calls_in_one_reply_each_get_a_result(home, tmp_path, tool_model
     assert [m.role for m in msgs] == ["user", "assistant", "tool", "tool", "assistant"]
     assert [json.loads(m.content)["timezone"] for m in msgs[2:4]] == ["UTC", "Asia/Seoul"]
     assert [m.extra["tool_call_id"] for m in msgs[2:4]] == ["call_0_0", "call_0_1"]
+    # The reply's calls are stored with those ids, so an export names the call each result
+    # answers (OpenAI's shape: an assistant's tool_calls, then tool messages by id).
+    assert [c["id"] for c in msgs[1].extra["tool_calls"]] == ["call_0_0", "call_0_1"]
     store.close()
+    assert main(["export", "two", "--format", "json"]) == 0
+    exported = json.loads(capsys.readouterr().out)["messages"]
+    assert [(m["role"], [c["id"] for c in m.get("tool_calls", [])], m.get("tool_call_id"))
+            for m in exported] == [("user", [], None),
+                                   ("assistant", ["call_0_0", "call_0_1"], None),
+                                   ("tool", [], "call_0_0"), ("tool", [], "call_0_1"),
+                                   ("assistant", [], None)]
 
 
 def test_a_streamable_http_server_by_url(home, tmp_path, tool_model, scripted, capsys):
