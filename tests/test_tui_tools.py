@@ -209,6 +209,35 @@ async def test_quitting_during_a_hanging_call_leaves_no_server(home, tool_engine
     assert not group_alive(pid)
 
 
+async def test_an_allowed_tool_asks_again_after_the_palette_says_so(home, tool_engine):
+    configure(home, {"time": time_server()})
+    app = make(tool_engine, [TIME_CALL, "Known.", TIME_CALL, "Not again."])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "What time is it?")
+        await approval(app, pilot)
+        await pilot.press("c")  # allow in this conversation
+        await settle(app, pilot)
+
+        def palette() -> dict:
+            return {c.title: c for c in app.get_system_commands(app.screen)}
+
+        # Turning the server off and on keeps what the dialog allowed (the MLX thread wrote it).
+        app.tool_box.toggle("time")
+        app.tool_box.toggle("time")
+        assert ToolSettings.of(app.store.get(app.current.name)).allowed == ("get_current_time",)
+        palette()["Tools: ask again before get_current_time"].callback()
+        assert "Tools: ask again before get_current_time" not in palette()
+        assert ToolSettings.of(app.store.get(app.current.name)).allowed == ()
+        await type_and_send(pilot, "And now?")
+        screen = await approval(app, pilot)  # asked again
+        assert screen.name_ == "get_current_time"
+        await pilot.press("d")
+        await settle(app, pilot)
+        assert heads(app)[-1] == 'tool get_current_time {"timezone": "UTC"} · denied'
+        assert replies(app)[-1] == "Not again."
+
+
 async def test_turning_a_server_off_re_renders_as_tools_changed(home, tool_engine):
     configure(home, {"time": time_server()})
     app = make(tool_engine, ["Hello.", "Again."])
