@@ -60,6 +60,13 @@ async def approval(app, pilot, wait: float = 90.0) -> ApprovalScreen:
     return app.screen
 
 
+async def send_and_answer(app, pilot, text: str, key: str) -> None:
+    """Send ``text``; answer the approval dialog of the call it brings with ``key``."""
+    await type_and_send(pilot, text)
+    await approval(app, pilot)
+    await pilot.press(key)
+
+
 def heads(app) -> list[str]:
     return [str(b.head.render()) for b in app.query(ToolCallBlock)]
 
@@ -82,9 +89,7 @@ async def test_calls_are_approved_shown_stored_and_shown_after_a_restart(
         assert replies(app)[0].strip() == "Let me see."  # the call's markup never shown
         assert replies(app)[-1] == "It is now known."
         # Allowed for this conversation: the second call to git_log runs without asking.
-        await type_and_send(pilot, "What changed?")
-        await approval(app, pilot)
-        await pilot.press("c")
+        await send_and_answer(app, pilot, "What changed?", "c")
         await settle(app, pilot)
         assert "git_log" in ToolSettings.of(app.store.get(app.current.name)).allowed
         await type_and_send(pilot, "And now?")
@@ -126,16 +131,12 @@ async def test_deny_tells_the_model_and_markup_is_shown_literally(home, tool_eng
     app = make(tool_engine, [PROBE_CALL, "Denied, fine.", PROBE_CALL, "Read it."])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("d")
+        await send_and_answer(app, pilot, "Try it", "d")
         await settle(app, pilot)
         assert heads(app) == ['tool probe {"what": "x"} · denied']
         assert [m.content for m in app.store.messages(app.current)][2] == DENIED
         assert replies(app)[-1] == "Denied, fine."
-        await type_and_send(pilot, "Now allow it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Now allow it", "a")
         await settle(app, pilot)
         block = app.query(ToolCallBlock).last()
         from mcp_faults import MARKUP
@@ -151,9 +152,7 @@ async def test_esc_stops_a_hanging_call(home, tool_engine):
     app = make(tool_engine, [PROBE_CALL, "never said"])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Try it", "a")
         await pilot.pause(1.0)
         assert app.busy
         t0 = time.monotonic()
@@ -172,9 +171,7 @@ async def test_each_fault_server_is_one_notice_and_the_conversation_goes_on(home
     app = make(tool_engine, [PROBE_CALL, "Went on.", "Still here."])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Try it", "a")
         await settle(app, pilot)
         said = [n.message for n in app._notifications]
         assert len([m for m in said if m.startswith("MCP server gone: did not start")]) == 1
@@ -197,9 +194,7 @@ async def test_quitting_during_a_hanging_call_leaves_no_server(home, tool_engine
     app = make(tool_engine, [PROBE_CALL, "never said"])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Try it", "a")
         t0 = time.monotonic()
         while (pid := called_pid(pidfile)) is None:
             assert time.monotonic() - t0 < 60, "the server's tool was never called"
@@ -214,9 +209,7 @@ async def test_an_allowed_tool_asks_again_after_the_palette_says_so(home, tool_e
     app = make(tool_engine, [TIME_CALL, "Known.", TIME_CALL, "Not again."])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "What time is it?")
-        await approval(app, pilot)
-        await pilot.press("c")  # allow in this conversation
+        await send_and_answer(app, pilot, "What time is it?", "c")  # allow in this conversation
         await settle(app, pilot)
 
         def palette() -> dict:
