@@ -50,6 +50,8 @@ class TurnOptions:
         return {k: v for k, v in extras.items() if v != off[k]}
     speculate: str | None = None  # "lookup" (where it can run: ``speculative``) or "off";
     #                               None: the session's setting (lookup unless told)
+    call_ids: str = ""  # the reply's tool calls get ids PREFIX0, PREFIX1, … ("": none;
+    #                     ``tools/turns.py``, whose result messages answer them by id)
 
 
 class Cancel:

@@ -22,8 +22,10 @@ def tool_markers(engine) -> tuple[str, str] | None:
     return tok.tool_call_start, tok.tool_call_end
 
 
-def split_tool_calls(engine, text: str, tools) -> tuple[str, list[dict]]:
-    """(the text outside tool calls, the calls) of a reply made with ``tools`` offered."""
+def split_tool_calls(engine, text: str, tools, ids: str = "") -> tuple[str, list[dict]]:
+    """(the text outside tool calls, the calls) of a reply made with ``tools`` offered; with
+    ``ids``, each call has the id ``ids`` + its index (as stored, so an export's tool results
+    name the call they answer)."""
     markers = tool_markers(engine)
     if not tools or markers is None or markers[0] not in text:
         return text, []
@@ -41,6 +43,8 @@ def split_tool_calls(engine, text: str, tools) -> tuple[str, list[dict]]:
     kept.append(rest)
     if not calls:
         return text, []
+    if ids:
+        calls = [{"id": f"{ids}{i}", **c} for i, c in enumerate(calls)]
     # The text kept as the model wrote it (the space before a call too): the template renders
     # it back before the calls, and a byte that differs costs the call's cache next turn.
     said = "".join(kept)

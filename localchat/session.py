@@ -359,7 +359,8 @@ class Session:
             raise
         self._running = None
         if options.tools and not run.stopped:
-            run.reply, run.tool_calls = split_tool_calls(self.engine, run.reply, options.tools)
+            run.reply, run.tool_calls = split_tool_calls(self.engine, run.reply, options.tools,
+                                                         options.call_ids)
             if run.tool_calls:
                 run.finish = "tool_calls"
         written, note = self._persist(conv, tokens + run.generated, start, run,

@@ -7,6 +7,10 @@ JSON-RPC to stdout, never MCP), and a real server (the SDK's ``MCPServer``) whos
 ``hang`` (the call never answers), ``markup`` (text with markup and control characters),
 ``crash`` (the process exits during the call); ``http PORT`` serves ``probe`` (answering
 "ok") over streamable HTTP on 127.0.0.1:PORT instead of stdio.
+
+With ``MCP_FAULTS_PID=FILE`` in its environment the server writes its pid there when it
+starts, and ``PID called`` once its tool is called: tests find the server by its pid (its
+process group: the SDK starts it in a session of its own), never by its name.
 """
 
 import os
@@ -16,7 +20,17 @@ import time
 MARKUP = "[b]bold[/b] [red]x[/red] \x1b[2J\x1b]0;title\x07 <tool_call> done"
 
 
+def tell(state: str = "") -> None:
+    """Write ``PID [state]`` to ``$MCP_FAULTS_PID`` (whole, by a rename)."""
+    path = os.environ.get("MCP_FAULTS_PID")
+    if path:
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {state}".strip() + "\n")
+        os.replace(path + ".tmp", path)
+
+
 def main(mode: str, port: int = 0) -> None:
+    tell()
     if mode == "exit":
         sys.exit(3)
     if mode == "mute":
@@ -35,6 +49,7 @@ def main(mode: str, port: int = 0) -> None:
 
     @server.tool(description="A tool that fails as the server's mode says")
     def probe(what: str = "") -> str:
+        tell("called")
         if mode == "huge":
             return "x" * (5 * 2**20)
         if mode == "raise":

@@ -5,8 +5,11 @@ tool-calling template whose replies are scripted to call them (``fakes.ScriptedE
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -252,6 +255,33 @@ def fault(mode: str, **kw) -> dict:
     return {"command": sys.executable, "args": [str(FAULTS), mode], **kw}
 
 
+def group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive (a zombie, dead but not yet reaped, is
+    not): found by its group with ``ps`` (Linux and macOS), never by a name across the machine,
+    where other tests' servers may run."""
+    out = subprocess.run(["ps", "-A", "-o", "pgid=,stat="], capture_output=True, text=True,
+                         check=True).stdout
+    rows = [line.split() for line in out.splitlines()]
+    return any(len(r) == 2 and r[0] == str(pgid) and not r[1].startswith("Z") for r in rows)
+
+
+def called_pid(pidfile: Path) -> int | None:
+    """The fault server's pid once its tool was called (``mcp_faults.tell``), else None."""
+    text = pidfile.read_text() if pidfile.exists() else ""
+    return int(text.split()[0]) if text.endswith(" called\n") else None
+
+
+def wait_in_call(pidfile: Path, proc: subprocess.Popen, wait: float = 180) -> int:
+    """The pid of ``proc``'s fault server, once it is stuck in its call."""
+    t0 = time.monotonic()
+    while (pid := called_pid(pidfile)) is None:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() - t0 < wait, "the server's tool was never called"
+        time.sleep(0.1)
+    assert os.getpgid(pid) == pid  # (its own group: what the leash kills)
+    return pid
+
+
 
 @pytest.mark.parametrize("mode, says", [
     ("exit", "did not start: "),
@@ -278,7 +308,9 @@ def test_a_server_that_does_not_start_is_one_notice(home, tmp_path, tool_model, 
 def test_a_call_that_fails_is_one_notice_and_the_reply_goes_on(home, tmp_path, tool_model,
                                                                scripted, capsys, mode, timeout,
                                                                says):
-    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(mode, timeout=timeout)})
+    pidfile = tmp_path / "server.pid"
+    cfg = write_config(tmp_path / "mcp.json", {"bad": fault(
+        mode, timeout=timeout, env={"MCP_FAULTS_PID": str(pidfile)})})
     scripted([PROBE_CALL, "Went on."])
     code, out, err = ask(capsys, tool_model, "-c", "f", "--json", "--mcp", str(cfg),
                          "--allow-tools", "probe", "hi")
@@ -289,6 +321,9 @@ def test_a_call_that_fails_is_one_notice_and_the_reply_goes_on(home, tmp_path, t
     assert call["outcome"] == "failed" and says in call["error"]
     notices = [line for line in err.splitlines() if line.startswith("localchat: tool probe")]
     assert len(notices) == 1 and "Traceback" not in err
+    # The server stuck in its call ended with localchat (the control that the check sees a
+    # live server: the two tests below).
+    assert not group_alive(int(pidfile.read_text().split()[0]))
     store = Store.open(paths.database_path())
     msgs = store.messages(store.get("f"))
     # No half-turn: the call has its (failed) result, and the reply follows it.
@@ -307,7 +342,10 @@ def test_a_huge_result_is_cut_with_a_notice(home, tmp_path, tool_model, scripted
     assert call["outcome"] == "ran" and call["full_chars"] == 5 * 2**20
     assert call["result"].startswith("x" * 8192 + "\n[result cut")
     assert call["result"].endswith(f"[result cut: {5 * 2**20:,} characters in all]")
-    assert "localchat: tool probe: its result (5.0 MB) was cut to 8,192 characters" in err
+    notices = [line for line in err.splitlines() if line.startswith("localchat: tool")]
+    assert notices == ["localchat: tool probe: its result (5.0 MB) was cut to 8,192 "
+                       "characters for the model"]  # one notice, and the reply went on
+    assert json.loads(out)["reply"] == "Long."
     store = Store.open(paths.database_path())
     tool = store.messages(store.get("h"))[2]
     assert tool.content == call["result"] and tool.extra["full_chars"] == 5 * 2**20
@@ -345,7 +383,17 @@ def test_several_calls_in_one_reply_each_get_a_result(home, tmp_path, tool_model
     assert [m.role for m in msgs] == ["user", "assistant", "tool", "tool", "assistant"]
     assert [json.loads(m.content)["timezone"] for m in msgs[2:4]] == ["UTC", "Asia/Seoul"]
     assert [m.extra["tool_call_id"] for m in msgs[2:4]] == ["call_0_0", "call_0_1"]
+    # The reply's calls are stored with those ids, so an export names the call each result
+    # answers (OpenAI's shape: an assistant's tool_calls, then tool messages by id).
+    assert [c["id"] for c in msgs[1].extra["tool_calls"]] == ["call_0_0", "call_0_1"]
     store.close()
+    assert main(["export", "two", "--format", "json"]) == 0
+    exported = json.loads(capsys.readouterr().out)["messages"]
+    assert [(m["role"], [c["id"] for c in m.get("tool_calls", [])], m.get("tool_call_id"))
+            for m in exported] == [("user", [], None),
+                                   ("assistant", ["call_0_0", "call_0_1"], None),
+                                   ("tool", [], "call_0_0"), ("tool", [], "call_0_1"),
+                                   ("assistant", [], None)]
 
 
 def test_a_streamable_http_server_by_url(home, tmp_path, tool_model, scripted, capsys):
@@ -378,3 +426,61 @@ def test_a_streamable_http_server_by_url(home, tmp_path, tool_model, scripted, c
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ctrl_c_twice_during_a_hanging_call_leaves_no_server(home, tmp_path, tool_model):
+    """``ask`` in a process of its own: the first Ctrl-C stops the call, the second aborts the
+    wait for the server's graceful shutdown; its process group is killed at exit."""
+    pidfile = tmp_path / "server.pid"
+    cfg = write_config(tmp_path / "mcp.json", {"slow": fault(
+        "hang", timeout=600, env={"MCP_FAULTS_PID": str(pidfile)})})
+    script = Path(__file__).parent / "scripted_serve.py"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "ask", "-m", str(tool_model), "-c", "i", "--mcp",
+         str(cfg), "--allow-tools", "probe", "hi"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
+             "SCRIPTED_REPLIES": json.dumps([PROBE_CALL, "never said"])},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = wait_in_call(pidfile, proc)
+        time.sleep(0.5)
+        assert group_alive(pid)  # the control: the check sees the server while ask runs
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert not group_alive(pid)
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, threading
+from pathlib import Path
+from localchat.tools.config import load_config
+from localchat.tools.manager import Tools
+tools = Tools(load_config(Path(sys.argv[1])))
+assert tools.start()[0].running
+threading.Thread(target=tools.call, args=("probe", {}), daemon=True).start()
+sys.stdin.readline()  # until the test has seen the call hang; then exit, never closing
+"""
+
+
+def test_an_exit_that_skips_close_leaves_no_server_stuck_in_a_call(home, tmp_path):
+    pidfile = tmp_path / "server.pid"
+    cfg = write_config(tmp_path / "mcp.json", {"slow": fault(
+        "hang", timeout=600, env={"MCP_FAULTS_PID": str(pidfile)})})
+    proc = subprocess.Popen([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(cfg)],
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                            stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pid = wait_in_call(pidfile, proc)
+        assert group_alive(pid)  # the control: the check sees the server while it runs
+        _, err = proc.communicate("exit\n", timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, err
+    assert not group_alive(pid)

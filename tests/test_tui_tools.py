@@ -17,7 +17,9 @@ from test_tools import (  # noqa: F401
     FAULTS,
     PROBE_CALL,
     TIME_CALL,
+    called_pid,
     git_call,
+    group_alive,
     repo,
     time_server,
     tool_model,  # noqa: F401  (the fixture)
@@ -58,6 +60,13 @@ async def approval(app, pilot, wait: float = 90.0) -> ApprovalScreen:
     return app.screen
 
 
+async def send_and_answer(app, pilot, text: str, key: str) -> None:
+    """Send ``text``; answer the approval dialog of the call it brings with ``key``."""
+    await type_and_send(pilot, text)
+    await approval(app, pilot)
+    await pilot.press(key)
+
+
 def heads(app) -> list[str]:
     return [str(b.head.render()) for b in app.query(ToolCallBlock)]
 
@@ -80,9 +89,7 @@ async def test_calls_are_approved_shown_stored_and_shown_after_a_restart(
         assert replies(app)[0].strip() == "Let me see."  # the call's markup never shown
         assert replies(app)[-1] == "It is now known."
         # Allowed for this conversation: the second call to git_log runs without asking.
-        await type_and_send(pilot, "What changed?")
-        await approval(app, pilot)
-        await pilot.press("c")
+        await send_and_answer(app, pilot, "What changed?", "c")
         await settle(app, pilot)
         assert "git_log" in ToolSettings.of(app.store.get(app.current.name)).allowed
         await type_and_send(pilot, "And now?")
@@ -101,6 +108,13 @@ async def test_calls_are_approved_shown_stored_and_shown_after_a_restart(
         assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant"] * 3
         status = str(app.query_one("StatusBar").render())
         assert "miss:" not in status  # the last round resumed from the call's cache
+        # Each round after a call resumed from the call's cache: only its result prefilled.
+        turns = app.store.turns(app.current)
+        assert len(turns) == 6  # (per message: the round that calls, the round after)
+        for (call, after), result in zip(zip(turns[::2], turns[1::2]), msgs[2::4]):
+            assert after.cached_tokens >= call.prompt_tokens + call.completion_tokens - 2
+            assert after.prefilled_tokens <= len(result.content) + 30
+            assert after.miss_reason == ""
     # A restart shows the calls and their results from the store.
     again = make(tool_engine, [])
     again.want_conversation = name
@@ -117,16 +131,12 @@ async def test_deny_tells_the_model_and_markup_is_shown_literally(home, tool_eng
     app = make(tool_engine, [PROBE_CALL, "Denied, fine.", PROBE_CALL, "Read it."])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("d")
+        await send_and_answer(app, pilot, "Try it", "d")
         await settle(app, pilot)
         assert heads(app) == ['tool probe {"what": "x"} · denied']
         assert [m.content for m in app.store.messages(app.current)][2] == DENIED
         assert replies(app)[-1] == "Denied, fine."
-        await type_and_send(pilot, "Now allow it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Now allow it", "a")
         await settle(app, pilot)
         block = app.query(ToolCallBlock).last()
         from mcp_faults import MARKUP
@@ -142,9 +152,7 @@ async def test_esc_stops_a_hanging_call(home, tool_engine):
     app = make(tool_engine, [PROBE_CALL, "never said"])
     async with app.run_test(size=(120, 50)) as pilot:
         await settle(app, pilot)
-        await type_and_send(pilot, "Try it")
-        await approval(app, pilot)
-        await pilot.press("a")
+        await send_and_answer(app, pilot, "Try it", "a")
         await pilot.pause(1.0)
         assert app.busy
         t0 = time.monotonic()
@@ -154,6 +162,73 @@ async def test_esc_stops_a_hanging_call(home, tool_engine):
         assert heads(app) == ['tool probe {"what": "x"} · stopped']
         msgs = app.store.messages(app.current)
         assert [(m.role, m.content) for m in msgs][1:] == [("assistant", ""), ("tool", STOPPED)]
+
+
+async def test_each_fault_server_is_one_notice_and_the_conversation_goes_on(home, tool_engine):
+    configure(home, {"gone": {"command": sys.executable, "args": [str(FAULTS), "exit"]},
+                     "bad": {"command": sys.executable, "args": [str(FAULTS), "raise"],
+                             "timeout": 60}})
+    app = make(tool_engine, [PROBE_CALL, "Went on.", "Still here."])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await send_and_answer(app, pilot, "Try it", "a")
+        await settle(app, pilot)
+        said = [n.message for n in app._notifications]
+        assert len([m for m in said if m.startswith("MCP server gone: did not start")]) == 1
+        assert len([m for m in said if m.startswith("tool probe: probe failed: ")]) == 1
+        assert heads(app)[0].startswith('tool probe {"what": "x"} · failed')
+        assert replies(app)[-1] == "Went on."
+        await type_and_send(pilot, "And now?")
+        await settle(app, pilot)
+        assert replies(app)[-1] == "Still here."
+        assert len(app._notifications) == len(said)  # (nothing said again)
+        msgs = app.store.messages(app.current)
+        assert [m.role for m in msgs] == ["user", "assistant", "tool", "assistant",
+                                          "user", "assistant"]
+
+
+async def test_quitting_during_a_hanging_call_leaves_no_server(home, tool_engine, tmp_path):
+    pidfile = tmp_path / "server.pid"
+    configure(home, {"slow": {"command": sys.executable, "args": [str(FAULTS), "hang"],
+                              "timeout": 600, "env": {"MCP_FAULTS_PID": str(pidfile)}}})
+    app = make(tool_engine, [PROBE_CALL, "never said"])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await send_and_answer(app, pilot, "Try it", "a")
+        t0 = time.monotonic()
+        while (pid := called_pid(pidfile)) is None:
+            assert time.monotonic() - t0 < 60, "the server's tool was never called"
+            await pilot.pause(0.1)
+        assert group_alive(pid)  # the control: the check sees the server while the app runs
+        await pilot.press("ctrl+q")
+    assert not group_alive(pid)
+
+
+async def test_an_allowed_tool_asks_again_after_the_palette_says_so(home, tool_engine):
+    configure(home, {"time": time_server()})
+    app = make(tool_engine, [TIME_CALL, "Known.", TIME_CALL, "Not again."])
+    async with app.run_test(size=(120, 50)) as pilot:
+        await settle(app, pilot)
+        await send_and_answer(app, pilot, "What time is it?", "c")  # allow in this conversation
+        await settle(app, pilot)
+
+        def palette() -> dict:
+            return {c.title: c for c in app.get_system_commands(app.screen)}
+
+        # Turning the server off and on keeps what the dialog allowed (the MLX thread wrote it).
+        app.tool_box.toggle("time")
+        app.tool_box.toggle("time")
+        assert ToolSettings.of(app.store.get(app.current.name)).allowed == ("get_current_time",)
+        palette()["Tools: ask again before get_current_time"].callback()
+        assert "Tools: ask again before get_current_time" not in palette()
+        assert ToolSettings.of(app.store.get(app.current.name)).allowed == ()
+        await type_and_send(pilot, "And now?")
+        screen = await approval(app, pilot)  # asked again
+        assert screen.name_ == "get_current_time"
+        await pilot.press("d")
+        await settle(app, pilot)
+        assert heads(app)[-1] == 'tool get_current_time {"timezone": "UTC"} · denied'
+        assert replies(app)[-1] == "Not again."
 
 
 async def test_turning_a_server_off_re_renders_as_tools_changed(home, tool_engine):

@@ -3,7 +3,7 @@
 What it is: ``Tools`` starts the configured servers (``config.py``) as the SDK's ``Client``s
 on one background asyncio loop thread, lists their tools and calls them with a timeout; the
 model thread and the app's UI thread call it synchronously. What it is not: deciding whether
-a call may run (``approval.py``) or what the model sees (``turns.py``).
+a call may run (``turns.py`` and the front ends) or what the model sees (``turns.py``).
 
 Failures never escape as tracebacks: a server that does not start, dies, hangs past its
 ``timeout``, writes something that is not MCP or whose tool raises comes back as a
@@ -13,19 +13,22 @@ server's stderr goes to ``$LOCALCHAT_HOME/logs/mcp-<name>.log``, never to the sc
 Why one loop thread: the SDK is asyncio (anyio) and a client must be entered and left in the
 same task; each server gets a task that holds its client open until ``close``, and each call
 is a task of its own on that loop, so a hanging call can be cancelled (Esc) without the
-server.
+server. Each stdio server runs on a leash (``leash.py``): whatever of it the SDK's shutdown
+leaves alive is killed by ``close``, or at exit when ``close`` never ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import paths
 from .config import ServerSpec
+from .leash import Leash
 
 MAX_RESULT_CHARS = 20_000  # a result longer than this reaches the model cut, with a notice
 
@@ -91,6 +94,7 @@ class _Server:
     log: object = None
     dead: str = ""  # set when the server's client ended on its own (the process exited)
     calls: set = field(default_factory=set)
+    pidfile: Path | None = None  # a stdio server's pid (``leash.py``)
 
 
 class Tools:
@@ -103,6 +107,7 @@ class Tools:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._leash = Leash()  # no stdio server outlives us (``close``, or at exit)
 
     # -- the loop thread ---------------------------------------------------------------------
 
@@ -208,6 +213,9 @@ class Tools:
             srv.client = None
             for call in list(srv.calls):  # calls waiting on a server that is gone
                 call.cancel()
+            # The SDK's shutdown is over (or was cancelled): whatever is left of the process
+            # group (a server stuck in a call, its children) is killed.
+            self._leash.release(srv.pidfile)
             if srv.log is not None:
                 srv.log.close()
 
@@ -223,8 +231,11 @@ class Tools:
             return spec.url
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
-        params = StdioServerParameters(command=spec.command, args=list(spec.args),
-                                       env=spec.env or None, cwd=spec.cwd)
+        command, args, srv.pidfile = self._leash.wrap(
+            spec.name, spec.command, list(spec.args),
+            {"PATH": os.environ.get("PATH", os.defpath), **spec.env}, spec.cwd)
+        params = StdioServerParameters(command=command, args=args, env=spec.env or None,
+                                       cwd=spec.cwd)
         return stdio_client(params, errlog=srv.log)
 
     def log_path(self, name: str) -> Path:
@@ -327,8 +338,10 @@ class Tools:
         return text, ""
 
     def close(self) -> None:
-        """Stop every server (their processes end with their clients) and the loop."""
+        """Stop every server and the loop: each stdio server is given the SDK's graceful
+        shutdown, then whatever is left of its process group is killed."""
         if self._loop is None:
+            self._leash.release_all()
             return
 
         async def stop_all() -> None:
@@ -340,8 +353,8 @@ class Tools:
                     tasks.append(srv.task)
             if tasks:
                 # Room for the SDK's own shutdown of a stdio server (stdin closed, 2 s, then
-                # SIGTERM, 2 s, then SIGKILL): cancelled sooner, it would leave the process
-                # running after we exit (seen on a busy machine with a server stuck in a call).
+                # SIGTERM, 2 s, then SIGKILL), which lets a server end cleanly; a task cancelled
+                # in it can abandon the process, which the leash then kills.
                 _, pending = await asyncio.wait(tasks, timeout=12)
                 for t in pending:
                     t.cancel()
@@ -350,6 +363,7 @@ class Tools:
             asyncio.run_coroutine_threadsafe(stop_all(), self._loop).result(15)
         except (concurrent.futures.TimeoutError, RuntimeError):
             pass  # (a server that will not stop: the loop thread is a daemon)
+        self._leash.release_all()  # (the graceful wait is over: no server outlives us)
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(5)

@@ -60,7 +60,7 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
     # (a character is rarely more than a token), so one result leaves room for the rest.
     limit = min(MAX_RESULT_CHARS, session.engine.info().context_length // 2)
     options = dataclasses.replace(options, tools=functions)
-    events = session.turn(conv, prompt, options, cancel)
+    events = session.turn(conv, prompt, _round(options, 0), cancel)
     for round_no in range(max_rounds):
         finished = None
         for ev in events:
@@ -72,7 +72,7 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
         results = []
         for i, call in enumerate(finished.tool_calls):
             name, arguments = call["function"]["name"], call["function"]["arguments"]
-            call_id = f"call_{round_no}_{i}"
+            call_id = call.get("id") or f"call_{round_no}_{i}"
             if cancel.is_set():
                 results.append(_message(call_id, name, STOPPED, "stopped"))
                 yield ToolCallFinished(call_id, name, arguments, "stopped")
@@ -119,7 +119,8 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
                 session.store.add_message(conv, "tool", m["content"], extra={
                     k: v for k, v in m.items() if k not in ("role", "content")})
             return
-        events = yield from _answer(session, conv, results, options, cancel)
+        events = yield from _answer(session, conv, results, _round(options, round_no + 1),
+                                    cancel)
     yield Notice(f"the model called tools {max_rounds} times in a row; stopped asking it")
 
 
@@ -157,6 +158,11 @@ def _answer(session, conv, results: list[dict], options, cancel):
         events = session.answer(conv, results, options, cancel)
         first = next(events)
     return itertools.chain([first], events)
+
+
+def _round(options, round_no: int):
+    """``options`` for round ``round_no``: its calls' ids are ``call_ROUND_INDEX``."""
+    return dataclasses.replace(options, call_ids=f"call_{round_no}_")
 
 
 def _message(call_id: str, name: str, text: str, outcome: str, full_chars: int = 0) -> dict:

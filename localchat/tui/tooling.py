@@ -5,7 +5,8 @@ turn that can use them (on the MLX thread, which waits for them once), a turn's 
 the conversation's tools (``tools/turns.py``), the approval dialog asked from the MLX thread
 (a tool the user allowed for the conversation runs without asking), and the blocks of the
 calls as they happen. Which servers a conversation uses is its own setting (the palette's
-"Tools: turn off NAME"); turning one off re-renders the next turn (``tools changed``).
+"Tools: turn off NAME"); turning one off re-renders the next turn (``tools changed``). A tool
+allowed for the conversation asks again after the palette's "Tools: ask again before TOOL".
 What it is not: the servers (``tools/manager.py``) or the call loop (``tools/turns.py``).
 """
 
@@ -117,26 +118,47 @@ class AppTools:
             block.finish(ev.outcome, ev.result, ev.error, ev.full)
             chat.scroll_end(animate=False)
 
+    def settings(self) -> ToolSettings:
+        """The open conversation's tool settings as stored now: the MLX thread writes them
+        too (a tool allowed from the dialog, the digest of a turn's tools)."""
+        app = self.app
+        return ToolSettings.of(app.store.by_id(app.current) or app.current)
+
+    def _save(self, settings: ToolSettings) -> None:
+        self.app.current = self.app.store.update(self.app.current, tools=settings.to_json())
+
     def toggle(self, name: str) -> None:
         """Turn server ``name`` on or off in the open conversation."""
-        app = self.app
-        known = ToolSettings.of(app.current)
+        known = self.settings()
         off = tuple(n for n in known.off if n != name) if name in known.off else (
             *known.off, name)
-        app.current = app.store.update(app.current, tools=dataclasses.replace(
-            known, off=off).to_json())
-        app.notify(f"tools of {name} {'off' if name in off else 'on'} in this conversation")
-        app.drafts.schedule()  # the next prompt renders differently
+        self._save(dataclasses.replace(known, off=off))
+        self.app.notify(f"tools of {name} {'off' if name in off else 'on'} in this "
+                        "conversation")
+        self.app.drafts.schedule()  # the next prompt renders differently
+
+    def revoke(self, tool: str) -> None:
+        """Ask again before ``tool`` runs in the open conversation (undo "allow in this
+        conversation"). The prompt is unchanged: only the approval."""
+        known = self.settings()
+        self._save(dataclasses.replace(known, allowed=tuple(
+            n for n in known.allowed if n != tool)))
+        self.app.notify(f"{tool} asks again before it runs in this conversation")
 
     def commands(self):
-        """The palette's "Tools: turn off/on NAME", one per configured server."""
+        """The palette's "Tools: turn off/on NAME", one per configured server, and "Tools:
+        ask again before TOOL", one per tool allowed in this conversation."""
         from textual.app import SystemCommand
 
         if self.app.current is None:
             return
-        off = set(ToolSettings.of(self.app.current).off)
+        settings = self.settings()
         for spec in self.configured():
-            verb = "turn on" if spec.name in off else "turn off"
+            verb = "turn on" if spec.name in settings.off else "turn off"
             yield SystemCommand(f"Tools: {verb} {spec.name}",
                                 f"Whether the model may call {spec.name}'s tools in this "
                                 "conversation", lambda n=spec.name: self.toggle(n))
+        for tool in settings.allowed:
+            yield SystemCommand(f"Tools: ask again before {tool}",
+                                f"{tool} was allowed in this conversation; ask before each "
+                                "call again", lambda t=tool: self.revoke(t))
