@@ -232,3 +232,22 @@ def test_a_long_prompt_takes_chunks_the_size_of_a_share_of_a_decode_step(session
         assert len(busy) >= 5 and set(busy) == {MIN_CHUNK}, sizes
     else:
         assert len(sizes) <= 4 and max(n for n, _ in sizes) == PREFILL_CHUNK, sizes
+
+
+def test_pace_sizes_a_chunk_to_a_share_of_a_decode_round():
+    from localchat.engine import PREFILL_CHUNK
+    from localchat.scheduler import MIN_CHUNK, Pace
+
+    p = Pace()
+    assert p.chunk() == PREFILL_CHUNK  # no one waits to decode: the whole chunk
+    p.busy = True
+    assert p.chunk() == 4 * MIN_CHUNK  # not measured yet: small, to measure
+    p.stepped(0.1)
+    p.prefilled(1000, 1.0)  # 1,000 tok/s, 100 ms a round: 0.7 x 100 tokens
+    assert p.chunk() == 70
+    p.prefilled(0, 1.0)  # (nothing prefilled says nothing)
+    assert p.chunk() == 70
+    p.stepped(10.0)  # a slow round (a big batch): bounded by the whole chunk
+    assert p.chunk() == PREFILL_CHUNK
+    q = Pace(busy=True, step_s=0.001, rate=10.0)
+    assert q.chunk() == MIN_CHUNK
