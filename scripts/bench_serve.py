@@ -169,6 +169,9 @@ def main() -> None:
                     help="client counts to run at once (default 1,2,4,8)")
     ap.add_argument("--client-tokens", type=int, default=None, metavar="N",
                     help="reply tokens per client (default 48; --quick 32)")
+    ap.add_argument("--speculate", choices=["off", "lookup"], default=None,
+                    help="the many-clients servers' --speculate (default: theirs, lookup: a "
+                         "greedy request running alone drafts; off: batching alone compared)")
     args = ap.parse_args()
     trials = benchlib.pick(args, 3, 2, 1)
     turns = benchlib.pick(args, 5, 4, 3)
@@ -301,7 +304,8 @@ def many_clients(args, engine, model: str, home: Path) -> dict:
     trials = benchlib.pick(args, 2, 1, 1)
     chats = [[{"role": "user", "content": f"Question {i}: tell me about "
                f"{CLIENT_TOPICS[i % len(CLIENT_TOPICS)]} in a few lines."}] for i in range(8)]
-    lone = Server("localchat", model, home / "clients-lone", "--max-batch", "1").start()
+    spec = ("--speculate", args.speculate) if args.speculate else ()
+    lone = Server("localchat", model, home / "clients-lone", "--max-batch", "1", *spec).start()
     try:
         lone.ask([{"role": "user", "content": "warm-up"}], 4)
         t0 = time.perf_counter()
@@ -310,8 +314,8 @@ def many_clients(args, engine, model: str, home: Path) -> dict:
     finally:
         lone.stop()
     tokens = [len(engine.encode(r)) for r in reference]  # (decoded text re-encoded: ~tokens)
-    out = {"client_max_tokens": max_tokens, "clients": {}}
-    server = Server("localchat", model, home / "clients", "--max-batch", "8").start()
+    out = {"client_max_tokens": max_tokens, "speculate": args.speculate, "clients": {}}
+    server = Server("localchat", model, home / "clients", "--max-batch", "8", *spec).start()
     try:
         at_once(server, [[{"role": "user", "content": f"warm-up {i}"}] for i in range(2)], 4)
         for n in sizes:
@@ -378,6 +382,7 @@ def gaps(server: Server, engine, chats: list[list[dict]], long_tokens: int, max_
 
 def print_clients(args, name: str, r: dict, json_line: bool = True) -> None:
     print(f"# many clients at once · {name} · {r['client_max_tokens']} tokens each · "
+          f"--speculate {args.speculate or 'as the server defaults (lookup)'} · "
           f"{benchlib.machine()}")
     rows = [[n, f"{c['wall_s']:.2f} s", f"{c['one_at_a_time_s']:.2f} s",
              f"{c['aggregate_tps']:.1f}", f"{c['one_at_a_time_tps']:.1f}", f"{c['speedup']:.2f}x",
