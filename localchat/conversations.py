@@ -80,7 +80,8 @@ class Conversations:
     def fork(self, conv: Conversation, name: str, at: int | None = None
              ) -> tuple[Conversation, int]:
         """A new conversation ``name`` holding ``conv``'s first ``at`` messages (all if None),
-        its system prompt and settings, and its cache files as hard links — this machine's
+        its system prompt, settings and context window (unless it ends before the window
+        starts), and its cache files as hard links — this machine's
         caches of every layout (one process, every rank's shard of a split run).
 
         The fork's cache holds all of the parent's tokens; its next turn keeps the prefix its
@@ -100,6 +101,10 @@ class Conversations:
                 new = self.store.update(new, thinking=conv.thinking)
             if conv.context_overflow is not None:
                 new = self.store.update(new, context_overflow=conv.context_overflow)
+            if conv.window_from and (at is None or at > conv.window_from):
+                # The fork sees the window its parent sees (the cache it links holds that
+                # window): started over, its next turn would cut again, perhaps elsewhere.
+                new = self.store.update(new, window_from=conv.window_from)
             for m in messages[:at]:
                 self.store.add_message(new, m.role, m.content, m.partial, m.extra)
             written = 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import speculative
 from .engine import Engine, now
-from .events import Event, PrefillProgress, ReasoningChunk, ReplyChunk, Usage
+from .events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Usage
 from .kvcache import kinds as ck
 from .replies import ReasoningStream, split_reasoning, thinking_markers
 from .turncache import Start
@@ -89,6 +89,27 @@ class Run:
     thinking_s: float = 0.0  # from the first token to the end of the reasoning
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
     lookup: speculative.LookupStats = field(default_factory=speculative.LookupStats)
+
+
+# A sampled reply whose last LOOP_SPAN tokens repeat one stretch of at most LOOP_PERIOD tokens
+# is cut (finish "length", with a notice): the default model sampled at serve's defaults once
+# wrote ", laQUEE" from its ~700th token to its 2,048-token cap (issue 35). 128 tokens of one
+# exact repeat is well past any list or table row a reply means to write. Greedy replies (ask
+# and batch, for scripts) are left as they are: reproducible, and bounded by their cap.
+LOOP_SPAN = 128
+LOOP_PERIOD = 32
+
+
+def looping(ids: list[int], span: int = LOOP_SPAN, period: int = LOOP_PERIOD) -> int:
+    """The period of the loop ``ids`` ends in (its last ``span`` tokens repeat a stretch of at
+    most ``period`` tokens), or 0."""
+    if len(ids) < span:
+        return 0
+    tail = ids[-span:]
+    for p in range(1, period + 1):
+        if all(tail[j] == tail[j - p] for j in range(p, span)):  # (stops at the first miss)
+            return p
+    return 0
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
@@ -189,6 +210,11 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
                 yield ReplyChunk(piece, *so_far)
             if text.stop is not None:
                 run.finish, run.stop_sequence = "stop_sequence", text.stop
+                break
+            if options.temp > 0 and (period := looping(run.generated)):
+                run.finish = "length"
+                yield Notice(f"reply cut: it repeated the same {period} tokens over its last "
+                             f"{LOOP_SPAN}")
                 break
             if stop():
                 run.stopped, run.finish = True, "cancelled"

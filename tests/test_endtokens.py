@@ -188,3 +188,35 @@ def test_both_apis_stop_at_an_end_token_streamed_and_not(server):
     assert ([b.text for b in msg.content], msg.stop_reason) == (["Paris."], "end_turn")
     with claude.messages.stream(model="localchat", messages=ask, max_tokens=64) as stream:
         assert "".join(stream.text_stream) == "Paris."
+
+
+LOOP = "Paris." + ", laQUEE" * 60  # how the default model's runaway reply ended (issue 35)
+
+
+def test_a_reply_stuck_in_a_loop_is_cut_with_a_notice_and_the_next_turn_appends(
+        engine, home, store):
+    from localchat.events import Notice
+    from localchat.generation import LOOP_SPAN
+
+    after = "Seoul, la France, le Canada, la France, le Canada."  # repeats, but no loop
+    scripted = ScriptedEngine(engine, [LOOP, after, LOOP])
+    session = Session(store, scripted, paths.kv_root(), paths.locks_dir())
+    conv = session.conversation("loop")
+    sampled = TurnOptions(max_tokens=1024, temp=0.7)  # (the scripted model ignores it)
+    events = list(session.turn(conv, "What is the capital of France?", sampled))
+    done, notes = events[-1], [e.text for e in events if isinstance(e, Notice)]
+    whole = len(engine.encode(LOOP))
+    assert done.finish == "length" and LOOP_SPAN <= len(done.tokens) < LOOP_SPAN + 40 < whole
+    assert [n for n in notes if "repeated" in n] and "\n" not in notes[-1]
+    assert store.messages(conv)[-1].content == done.reply and done.reply.startswith("Paris.")
+    # The cache holds the cut reply exactly: the next turn appends to it.
+    nxt = list(session.turn(conv, "And of Korea?", sampled))[-1]
+    u = done.usage
+    assert nxt.usage.cached_tokens >= u.prompt_tokens + u.completion_tokens - 2
+    # Negative controls: a reply that repeats a phrase a few times runs to its end, and a
+    # greedy one (ask, batch: scripts) is left as the model wrote it.
+    assert nxt.finish == "stop" and nxt.reply == after
+    events = list(session.turn(session.conversation("greedy"), "Again?",
+                               TurnOptions(max_tokens=1024)))
+    assert events[-1].reply == LOOP and len(events[-1].tokens) == whole + 1  # (and its EOS)
+    assert not [e for e in events if isinstance(e, Notice) and "repeated" in e.text]

@@ -198,3 +198,51 @@ def test_the_control_a_turn_line_is_wider_than_80_columns_unflowed():
 def test_figures_snapshot(snap_compare, width):
     """The cache view over the status bar, pixel for pixel, at 80 and 120 columns."""
     assert snap_compare(ViewApp(), terminal_size=(width, 48))
+
+
+# -- near the end of the context ---------------------------------------------------------------
+
+# A Korean chat on the default model: 5,940 of 8,192 tokens is ~3,000 Korean characters (2.0
+# tokens each, measured on bench_edges.py's sentences; English there: 0.2 per character).
+NEAR_FULL = Usage(prompt_tokens=5_702, cached_tokens=5_650, prefilled_tokens=52,
+                  completion_tokens=238, ttft_s=0.412, prefill_tps=251.0, decode_tps=18.3,
+                  context_tokens=5_940, context_length=8_192, cache_bytes=136_857_600,
+                  bytes_written=6_635_520, miss_reason="")
+
+
+class NearApp(App):
+    CSS_PATH = "../localchat/tui/app.tcss"
+
+    def __init__(self, usage: Usage):
+        super().__init__()
+        self.usage = usage
+
+    def compose(self) -> ComposeResult:
+        bar = StatusBar(id="status")
+        bar.model = "smollm2-135m"
+        bar.show_usage(self.usage)
+        yield bar
+
+
+@pytest.mark.parametrize("width", [60, 80, 120])
+async def test_near_the_limit_the_bar_says_how_full_the_context_is_at_any_width(width):
+    import dataclasses
+
+    for usage, said in ((NEAR_FULL, "context 72%"),
+                        # (the control: half full, the figure is the first thing dropped)
+                        (dataclasses.replace(NEAR_FULL, context_tokens=4_096), None)):
+        app = NearApp(usage)
+        async with app.run_test(size=(width, 3)) as pilot:
+            await pilot.pause()
+            line = str(app.query_one(StatusBar).render())
+            assert cell_len(line) <= width and "TTFT 0.41s" in line
+            if said:
+                assert said in line and "ctx" not in line
+            else:
+                assert "context" not in line
+                assert ("ctx 4096/8192" in line) == (width >= 120)
+
+
+def test_near_the_limit_snapshot(snap_compare):
+    """The status bar of a Korean chat at 72% of the default model's context, 80 columns."""
+    assert snap_compare(NearApp(NEAR_FULL), terminal_size=(80, 3))

@@ -84,6 +84,13 @@ def _reasoning(r: dict) -> None:
         assert all(t["reasoning_tokens"] == 0 for t in f["thinking_off"])
 
 
+def _edges(r: dict) -> None:
+    # The whole `ask` check of issue 35 on a 1,024-token context: the cut, its notice, every
+    # message shown, the append after it and the equality with --no-cache.
+    assert r["checks"] and all(r["checks"].values()), r["checks"]
+    assert r["messages_shown"] == 6 and "left out" in r["notice"]
+
+
 def _families(r: dict) -> None:
     assert [f["family"] for f in r["families"]] == ["llama", "qwen3_next"]
     assert all(len(f["turns"]) == 4 and f["turns"][-1]["cached"] > 0 for f in r["families"])
@@ -143,6 +150,8 @@ CASES = {
     "draft": Case({"note_tokens", "ttft_one_word_s", "ttft_paste_wait_s", "ttft_paste_at_once_s",
                    "enter_to_screen_one_word_s", "draft_tokens", "paste_to_prefilled_s",
                    "key_ms_median_draft_on", "key_ms_median_draft_off"}),
+    "edges": Case({"message_tokens", "turns", "no_cache_turn3", "turn3_needed_cached", "notice",
+                   "messages_shown", "checks"}, _edges),
     "families": Case({"families", "history_tokens"}, _families, model=False),
     "figures": Case({"trials", "prefill_model", "turns", "saved_ratios", "within_25pct",
                      "long_prompt_tokens", "long_ratio"}, _figures),

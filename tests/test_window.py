@@ -93,6 +93,37 @@ def test_truncate_moves_the_window_in_large_steps(home, store, small, family):
     assert PROMPTS[windows[-1] // 2] in window_text and PROMPTS[0] not in window_text
 
 
+def test_a_fork_keeps_the_window_its_parent_moved(home, store, small):
+    """A fork of a conversation past a cut renders the parent's window: its next turn appends
+    to the linked cache and answers as the parent does. (It used to start its window over:
+    the turn cut again, further on once the window had grown past half the context.)"""
+    engine = small("llama")
+    store.create("parent", engine.ref.name)
+    cut = False
+    for prompt in PROMPTS:
+        got, _ = turn(store, engine, store.get("parent"), prompt)
+        cut = cut or got.usage.miss_reason.startswith("context full")
+        if cut and got.usage.prompt_tokens > CONTEXT // 2:
+            break  # a window grown past half: a cut made afresh would start later
+    assert cut and not got.usage.miss_reason.startswith("context full")
+    parent = store.get("parent")
+    session = Session(store, engine, paths.kv_root(), paths.locks_dir())
+    fork, _ = session.fork(parent, "fork")
+    assert fork.window_from == parent.window_from > 0
+    mine, notes = turn(store, engine, fork, "And the palaces of Gyeongju?")
+    theirs, _ = turn(store, engine, parent, "And the palaces of Gyeongju?")
+    assert notes == [] and mine.usage.miss_reason == ""
+    u = got.usage
+    assert mine.usage.cached_tokens >= u.prompt_tokens + u.completion_tokens - 2
+    assert mine.tokens == theirs.tokens and mine.usage.prompt_tokens == theirs.usage.prompt_tokens
+    # Negative control: another question gets another reply (the replies depend on it).
+    other, _ = turn(store, engine, store.get("fork"), "And the gates of Suwon?")
+    assert other.tokens != theirs.tokens
+    # A fork that ends before the window starts renders from its own start.
+    early, _ = session.fork(parent, "early", at=parent.window_from)
+    assert early.window_from == 0
+
+
 def test_stop_refuses_with_a_hint_and_keeps_every_message(home, store, small):
     engine = small("llama")
     conv = store.create("strict", engine.ref.name)
