@@ -216,7 +216,8 @@ def decode(engine, cache: list, logits, max_tokens: int, options, context: Seque
         stepped and (alone is None or options.temp != 0))
     if plain:
         return engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, **options.sampling_extras(), stepped=stepped)
+                             options.top_p, **options.sampling_extras(),
+                             **({"stepped": True} if stepped else {}))
     return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
                           alone if stepped else None)
 
