@@ -29,6 +29,9 @@ from .paths import cpu_weights_dir
 
 PREFILL_CHUNK = 512
 ONE_PASS = 32  # prefills up to this long run the whole model once (see ``Engine.prefill``)
+SHORT_PROMPT = 128  # a scheduler's small chunks are for longer prompts: a short one is one
+#                     chunk (splitting it costs a weight read per piece, and it delays the
+#                     others once, not for long)
 
 
 @dataclass(frozen=True)
@@ -386,7 +389,8 @@ class Engine:
         assert tokens, "prefill needs at least one token"
         body = getattr(self.model, "model", None)
         done, total = 0, len(tokens)
-        size = chunk if callable(chunk) else (lambda: chunk)
+        size = chunk if callable(chunk) and len(tokens) > SHORT_PROMPT else \
+            (lambda: chunk if not callable(chunk) else PREFILL_CHUNK)
         if total <= min(ONE_PASS, size()) and not ck.bounded(cache) and self.group.size == 1:
             # A short message (a chat turn) goes through once, head included: feeding its last
             # token apart would attend the whole history a second time (~12 ms at 4k on the
