@@ -65,7 +65,7 @@ async def test_multiline_input_and_korean(make_app):
 
 
 async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
-    long = " ".join(["word"] * 200)
+    long = " ".join(f"word{i}" for i in range(200))  # (no loop for the loop cut to find)
     app, _ = make_app([long, "next"], delay=0.01)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
@@ -230,7 +230,7 @@ async def test_paste_palette_system_prompt_and_context_full(make_app):
 
 
 async def test_quit_mid_reply_keeps_the_partial_reply(make_app):
-    long = " ".join(["word"] * 300)
+    long = " ".join(f"word{i}" for i in range(300))  # (no loop for the loop cut to find)
     app, _ = make_app([long], delay=0.01)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
@@ -250,7 +250,7 @@ async def test_quit_mid_reply_keeps_the_partial_reply(make_app):
 async def test_a_stop_before_the_worker_starts_is_not_lost(make_app):
     """Esc (or quitting) right after Enter, before the worker thread has begun the turn: the
     turn's own cancel token is already set, so the turn stops at once."""
-    long = " ".join(["word"] * 300)
+    long = " ".join(f"word{i}" for i in range(300))  # (no loop for the loop cut to find)
     app, _ = make_app([long])
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
