@@ -319,15 +319,6 @@ class Engine:
         """Control tokens never shown or stored as reply text (the ends included)."""
         return self.end_tokens().hidden
 
-    def reply_processors(self, vocab: int | None = None) -> list:
-        """mlx-lm logits processors that keep control tokens (``hidden_ids - eos_ids``) out of
-        a reply (``vocab``: the logits' width, when known); also for mlx-lm's own loops
-        (``parallel``)."""
-        from mlx_lm.sample_utils import make_logits_processors
-
-        banned = sorted(t for t in self.hidden_ids - self.eos_ids if not vocab or t < vocab)
-        return make_logits_processors({t: -float("inf") for t in banned} or None)
-
     def sampler(self, temp: float = 0.0, top_p: float = 1.0, **settings):
         """A turn's ``Sampler`` (``sampler.py``) with this model's banned control tokens and,
         split over ranks, rank 0's choice for every rank. ``settings``: top_k, min_p,
