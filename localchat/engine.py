@@ -366,7 +366,7 @@ class Engine:
         return self._compute_dtype
 
     def prefill(self, tokens: list[int], cache: list,
-                chunk: int | Callable[[], int] = PREFILL_CHUNK):
+                chunk: int | Callable[[], int] = PREFILL_CHUNK, stepped: bool = False):
         """Feed ``tokens`` (at least one) into ``cache``.
 
         Yields ``(done, total)`` after each chunk and returns the last position's logits
@@ -374,6 +374,8 @@ class Engine:
         the transformer body only: the vocabulary head (~20% of a small model's FLOPs) is
         needed for the last position alone. ``chunk``: tokens per chunk, or a function asked
         before each chunk (a scheduler shrinks chunks while other turns wait to decode).
+        ``stepped``: each model call is yielded as a ``Step`` instead of being run here, for a
+        scheduler to run in the same call as other turns' decode steps (``scheduler.py``).
         """
         import mlx.core as mx
 
@@ -388,20 +390,33 @@ class Engine:
             # default model), more than the head costs for a few more rows (~5 ms at 15).
             # Not with bounded layers: they need the state one token before the end (the
             # checkpoint a regenerate resumes from); not split over ranks, whose layers differ.
-            logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
+            if stepped:
+                step = Step(mx.array(tokens), cache)
+                yield step
+                logits = step.logits
+            else:
+                logits = self.model(mx.array(tokens)[None], cache=cache)[:, -1, :]
             mx.eval(logits)
             return logits
         while total - done > 1:
             n = max(1, min(size(), total - done - 1))
-            x = mx.array(tokens[done : done + n])[None]
-            if body is not None:
-                body(x, cache=cache)
+            if stepped:
+                yield Step(mx.array(tokens[done : done + n]), cache, head=False)
             else:
-                self.model(x, cache=cache)
+                x = mx.array(tokens[done : done + n])[None]
+                if body is not None:
+                    body(x, cache=cache)
+                else:
+                    self.model(x, cache=cache)
             mx.eval(ck.state_arrays(cache))
             done += n
             yield done, total
-        logits = self.model(mx.array(tokens[-1:])[None], cache=cache)[:, -1, :]
+        if stepped:
+            step = Step(mx.array(tokens[-1:]), cache)
+            yield step
+            logits = step.logits
+        else:
+            logits = self.model(mx.array(tokens[-1:])[None], cache=cache)[:, -1, :]
         mx.eval(logits)
         return logits
 

@@ -22,14 +22,16 @@ class Notice:
 
 @dataclass
 class Step:
-    """A decode step a turn asks the scheduler for (``scheduler.py``), only while one drives
-    the session (``Session.stepped``): feed ``token`` (a (1,) MLX array) into ``cache``; the
-    scheduler runs it in a batch with other turns' steps and puts the last position's
-    ``logits`` here before the turn goes on. Never reaches a front end."""
+    """A model step a turn asks the scheduler for (``scheduler.py``), only while one drives
+    the session (``Session.stepped``): feed ``token`` (an (n,) MLX array: one token to decode,
+    or a prompt chunk) into ``cache``; the scheduler runs it in one model call with other
+    turns' steps and puts the last position's ``logits`` here before the turn goes on
+    (``head`` False: a chunk whose logits no one reads). Never reaches a front end."""
 
     token: object
     cache: list
     logits: object = None
+    head: bool = True
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from . import speculative
 from .engine import Engine, now
-from .events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Usage
+from .events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Step, Usage
 from .kvcache import kinds as ck
 from .replies import ReasoningStream, split_reasoning, thinking_markers
 from .turncache import Start
@@ -125,7 +125,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     Models with bounded layers get a checkpoint one token before the reply (the end of
     the prompt) and one at the end of the reply. Split over ranks, every rank stops at
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
-    ``stepped``: decode steps are yielded as ``Step`` events for a scheduler to batch;
+    ``stepped``: model calls (decode steps, prompt chunks) are yielded as ``Step`` events for a
+    scheduler to run together with other turns';
     ``chunk``: the scheduler's prefill chunk size, asked before each chunk; ``alone``: whether
     the turn runs alone under it now (it may then decode with prompt lookup).
     """
@@ -145,7 +146,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     total = len(new_tokens)
     logits = None
     for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
-        prefill = engine.prefill(new_tokens[lo:hi], cache,
+        prefill = engine.prefill(new_tokens[lo:hi], cache, stepped=stepped,
                                  **({"chunk": chunk} if chunk else {}))
         while True:
             if stop():
@@ -153,10 +154,14 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
                 run.prefill_s = now() - t
                 return
             try:
-                done, _ = next(prefill)
+                ev = next(prefill)
             except StopIteration as fin:
                 logits = fin.value
                 break
+            if isinstance(ev, Step):  # the scheduler runs it beside other turns' steps
+                yield ev
+                continue
+            done, _ = ev
             run.fed = start.pos + lo + done
             if bounded and lo + done == total - 1:
                 run.checkpoints.append(ck.capture(cache, run.fed))

@@ -8,10 +8,13 @@ prefix), prefill, decode, persist — except that its decode steps come out as `
 
 - admits waiting jobs into the running set (continuous batching) while ``max_batch`` and the
   memory budget allow (a job that does not fit waits in the queue: it is never crashed);
-- advances one turn that is not decoding by one yield point: its resume and one prefill
+- advances one turn that is not decoding to its next model call: its resume, then one prompt
   chunk, sized by ``Pace`` to a share of one decode round while others decode, so a long
   prompt does not freeze the others;
-- runs every waiting ``Step`` as one model call (``run_steps``) and hands each turn its row.
+- runs every waiting ``Step`` — the decode steps and that chunk — as one model call
+  (``run_steps``): the chunk's tokens are rows beside the decode rows, so a round reads the
+  weights once (a model that cannot, ``fusion_refusal``, runs the chunk as a pass of its own);
+  each turn gets its last row's logits.
 
 A turn retires when it ends, is stopped (``Cancel``, the client went away) or fails; it
 persists as a lone turn does, so its conversation is resumable.
@@ -53,10 +56,12 @@ BATCH_MEMORY_ENV = "LOCALCHAT_BATCH_MEMORY"  # bytes of K/V the running turns ma
 
 
 class SplitKV:
-    """Keys (or values) of several rows, each its own array: what ``SplitCache`` returns."""
+    """Keys (or values) of several sequences, each its own array: what ``SplitCache``
+    returns; ``sizes``: how many rows of the batch (consecutive positions) each one fed."""
 
-    def __init__(self, parts: list):
+    def __init__(self, parts: list, sizes: list[int]):
         self.parts = parts
+        self.sizes = sizes
 
 
 class SplitMask:
@@ -66,13 +71,15 @@ class SplitMask:
         self.parts = parts
 
 
-def split_layer(caches: list):
+def split_layer(caches: list, sizes: list[int]):
     """One layer's caches of several turns as one batch cache: ``SplitArrays`` for recurrent
-    state (``ArraysCache``), else ``SplitCache``."""
+    state (``ArraysCache``), else ``SplitCache``. ``sizes``: the rows each turn feeds."""
     if hasattr(caches[0], "cache") and hasattr(caches[0], "advance") and \
             not hasattr(caches[0], "offset"):
+        if any(n != 1 for n in sizes):  # a recurrence runs along its sequence, not across rows
+            raise ValueError("a recurrent state cannot take a prompt chunk beside steps")
         return SplitArrays(caches)
-    return SplitCache(caches)
+    return SplitCache(caches, sizes)
 
 
 class SplitArrays:
@@ -113,13 +120,20 @@ class SplitArrays:
 
 
 class SplitCache:
-    """One layer's caches of several turns, seen by the model as one batch cache."""
+    """One layer's caches of several turns, seen by the model as one batch cache.
 
-    def __init__(self, caches: list):
+    Every row of the batch is one token at one position. A turn that decodes feeds one row; a
+    turn whose prompt is being prefilled feeds a chunk of ``n`` rows, its consecutive
+    positions (``sizes``): its keys go into its cache as one (1, heads, n, dim) update and its
+    queries attend as one causal block (``install_split_attention``), so the chunk costs its
+    tokens' compute inside the same pass, not a pass of its own (issue 32)."""
+
+    def __init__(self, caches: list, sizes: list[int]):
         self.caches = caches
+        self.sizes = sizes
 
     def __getitem__(self, i: int):  # a CacheList's parts
-        return split_layer([c[i] for c in self.caches])
+        return split_layer([c[i] for c in self.caches], self.sizes)
 
     @property
     def keys(self):
@@ -135,21 +149,29 @@ class SplitCache:
     def offset(self):
         import mlx.core as mx
 
-        return mx.array([c.offset for c in self.caches])
+        return mx.array([c.offset + j for c, n in zip(self.caches, self.sizes)
+                         for j in range(n)])
 
     def update_and_fetch(self, keys, values):
         ks, vs = [], []
-        for i, c in enumerate(self.caches):
-            k, v = c.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+        row = 0
+        for c, n in zip(self.caches, self.sizes):
+            k, v = keys[row:row + n], values[row:row + n]
+            if n > 1:  # (n, heads, 1, dim) rows -> one (1, heads, n, dim) sequence
+                k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
+            k, v = c.update_and_fetch(k, v)
             ks.append(k)
             vs.append(v)
-        return SplitKV(ks), SplitKV(vs)
+            row += n
+        return SplitKV(ks, self.sizes), SplitKV(vs, self.sizes)
 
     def make_mask(self, n: int, **kw):
         from mlx_lm.models.base import create_attention_mask
 
-        masks = [c.make_mask(n, **kw) if hasattr(c, "make_mask") else
-                 create_attention_mask_rows(create_attention_mask, n, **kw) for c in self.caches]
+        # (``n`` is 1, the model's view: each turn's mask is for the rows it feeds)
+        masks = [c.make_mask(size, **kw) if hasattr(c, "make_mask") else
+                 create_attention_mask_rows(create_attention_mask, size, **kw)
+                 for c, size in zip(self.caches, self.sizes)]
         return None if all(m is None for m in masks) else SplitMask(masks)
 
 
@@ -174,9 +196,15 @@ def install_split_attention() -> None:
         if not isinstance(keys, SplitKV):
             return inner(queries, keys, values, *args, mask=mask, **kw)
         rows = []
-        for i, (k, v) in enumerate(zip(keys.parts, values.parts)):
+        row = 0
+        for i, (k, v, n) in enumerate(zip(keys.parts, values.parts, keys.sizes)):
             m = mask.parts[i] if isinstance(mask, SplitMask) else mask
-            rows.append(inner(queries[i:i + 1], k, v, *args, mask=m, **kw))
+            q = queries[row:row + n]
+            if n > 1:  # a prompt chunk: its rows attend as one causal sequence
+                rows.append(inner(q.swapaxes(0, 2), k, v, *args, mask=m, **kw).swapaxes(0, 2))
+            else:
+                rows.append(inner(q, k, v, *args, mask=m, **kw))
+            row += n
         return mx.concatenate(rows, axis=0)
 
     attention.split_rows = True
@@ -184,21 +212,31 @@ def install_split_attention() -> None:
 
 
 def run_steps(model, steps: list[Step]) -> None:
-    """One model call for every ``Step``; each gets its row's last logits. A single step runs
-    exactly as a lone turn's (its own cache, no split): where a per-sequence step (prompt
-    lookup, ``speculative.py``) could take over a batch of one."""
+    """One model call for every ``Step`` (decode steps and prompt chunks); each gets the
+    logits of its last row. A single step runs exactly as a lone turn's (its own cache, no
+    split; a chunk without ``head`` through the transformer body only): where a per-sequence
+    step (prompt lookup, ``speculative.py``) could take over a batch of one."""
     import mlx.core as mx
 
     if len(steps) == 1:
         s = steps[0]
-        s.logits = model(s.token[:, None], cache=s.cache)[:, -1, :]
+        body = getattr(model, "model", None)
+        if not s.head and body is not None:
+            body(s.token[None], cache=s.cache)
+            s.logits = None
+        else:
+            s.logits = model(s.token[None], cache=s.cache)[:, -1, :]
         return
     install_split_attention()
+    sizes = [s.token.shape[0] for s in steps]
     tokens = mx.concatenate([s.token for s in steps])[:, None]
-    split = [split_layer([s.cache[i] for s in steps]) for i in range(len(steps[0].cache))]
+    split = [split_layer([s.cache[i] for s in steps], sizes)
+             for i in range(len(steps[0].cache))]
     logits = model(tokens, cache=split)[:, -1, :]
-    for i, s in enumerate(steps):
-        s.logits = logits[i:i + 1]
+    row = 0
+    for s, n in zip(steps, sizes):
+        row += n
+        s.logits = logits[row - 1:row]
 
 
 def batch_refusal(engine) -> str:
@@ -227,6 +265,45 @@ def batch_refusal(engine) -> str:
                 return "a batched step does not match its lone steps"
     except Exception as err:  # noqa: BLE001 - any failure of the trial means "run alone"
         return f"a batched step failed ({type(err).__name__}: {str(err)[:80]})"
+    return ""
+
+
+def fusion_refusal(engine) -> str:
+    """Why this model's prompt chunks cannot run in the same call as other turns' decode steps
+    ("" when they can): one fused call (a decode step beside a 7-token chunk) and the batched
+    step after it must match the lone model's logits (within 1e-3, as ``batch_refusal``).
+    A model whose layers see across positions other than through attention (a recurrent
+    state, a convolution) or place positions by their own rule fails here; its chunks then run
+    as passes of their own between the batched steps."""
+    import mlx.core as mx
+
+    a, b = [3 + i for i in range(5)], [1 + 5 * i for i in range(9)]  # ids every vocab has
+    nxt = mx.array([1])
+    model = engine.model
+    try:
+        def fed(tokens):
+            c = engine.new_cache()
+            model(mx.array(tokens)[None], cache=c)
+            return c
+
+        lone_a = [model(nxt[:, None], cache=(ca := fed(a)))[:, -1, :]]
+        lone_a.append(model(nxt[:, None], cache=ca)[:, -1, :])
+        cb = engine.new_cache()
+        lone_b = [model(mx.array(b)[None], cache=cb)[:, -1, :]]
+        lone_b.append(model(nxt[:, None], cache=cb)[:, -1, :])
+        ca, cb = fed(a), fed(b[:2])
+        got_a, got_b = [], []
+        for second in (False, True):
+            steps = [Step(nxt, ca), Step(nxt if second else mx.array(b[2:]), cb)]
+            run_steps(model, steps)
+            got_a.append(steps[0].logits)
+            got_b.append(steps[1].logits)
+        mx.eval(lone_a, lone_b, got_a, got_b)
+        for want, got in zip(lone_a + lone_b, got_a + got_b):
+            if got.shape != want.shape or not mx.allclose(got, want, atol=1e-3).item():
+                return "a prompt chunk beside a decode step does not match the lone model"
+    except Exception as err:  # noqa: BLE001 - any failure of the trial means "not fused"
+        return f"a fused step failed ({type(err).__name__}: {str(err)[:80]})"
     return ""
 
 
@@ -265,15 +342,16 @@ MIN_CHUNK = 8  # fewest prompt tokens a chunk takes (below this a chunk is mostl
 
 @dataclass
 class Pace:
-    """How many prompt tokens one prefill chunk takes: while other turns wait to decode, about
-    ``share`` of one decode round's time (measured: moving averages of both), so a long
-    prompt arriving raises the running streams' inter-token gap by about 1 + ``share``
-    (issue 32: at most 2x) instead of by a whole 512-token chunk (6.8x measured); with no one
-    waiting, ``Engine.prefill``'s own chunk."""
+    """How many prompt tokens one prefill chunk takes: while other turns wait to decode, what
+    adds about ``share`` of one decode round's time to the round it runs in (measured: moving
+    averages of a round without a chunk and of what each chunk token adds), so a long prompt
+    arriving raises the running streams' inter-token gap by about 1 + ``share`` (issue 32: at
+    most 2x) instead of by a whole 512-token chunk (6.8x measured); with no one waiting,
+    ``Engine.prefill``'s own chunk."""
 
     share: float = 0.7
-    step_s: float = 0.0  # a decode round: the batched step and each turn's work after it
-    rate: float = 0.0  # prompt tokens per second
+    step_s: float = 0.0  # a decode round with no chunk: the step and each turn's work after
+    token_s: float = 0.0  # what one prompt token of a chunk adds to a round
     busy: bool = False  # turns are waiting to decode
 
     def chunk(self) -> int:
@@ -281,17 +359,29 @@ class Pace:
 
         if not self.busy:
             return PREFILL_CHUNK
-        if not (self.step_s and self.rate):
+        if not (self.step_s and self.token_s):
             return 4 * MIN_CHUNK  # not measured yet: small, to measure
-        return max(MIN_CHUNK, min(PREFILL_CHUNK, int(self.rate * self.step_s * self.share)))
+        return max(MIN_CHUNK, min(PREFILL_CHUNK, round(self.share * self.step_s / self.token_s)))
 
-    def stepped(self, seconds: float) -> None:
-        self.step_s = seconds if not self.step_s else 0.7 * self.step_s + 0.3 * seconds
+    def stepped(self, seconds: float, chunk_tokens: int = 0, decoding: bool = True) -> None:
+        """A round took ``seconds``; ``chunk_tokens`` prompt tokens ran in it, beside decode
+        steps if ``decoding``."""
+        if not chunk_tokens:
+            if decoding:
+                self.step_s = ema(self.step_s, seconds)
+            return
+        extra = seconds - (self.step_s if decoding else 0.0)
+        if extra > 0:
+            self.token_s = ema(self.token_s, extra / chunk_tokens)
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            rate = tokens / seconds
-            self.rate = rate if not self.rate else 0.7 * self.rate + 0.3 * rate
+
+def ema(old: float, new: float) -> float:
+    return new if not old else 0.7 * old + 0.3 * new
+
+
+def is_chunk(step: Step) -> bool:
+    """A prompt chunk (more than one token, or one whose logits no one reads)."""
+    return step.token.shape[0] > 1 or not step.head
 
 
 @dataclass
@@ -300,7 +390,6 @@ class _Turn:
     events: Iterator
     step: Step | None = None  # the decode step it waits for
     locked: bool = False  # waits for a conversation's lock (held by another turn here?)
-    prefilled: int = 0  # prompt tokens it has prefilled (its last PrefillProgress)
 
 
 @dataclass
@@ -315,6 +404,7 @@ class Scheduler:
     arrived: threading.Condition = field(default_factory=threading.Condition)
     running: list = field(default_factory=list)
     refusal: str | None = None  # why turns run alone ("" once checked and batchable)
+    unfused: str | None = None  # why prompt chunks run as passes of their own ("" if not)
     steps: int = 0  # decode steps run, and the rows they held (rows / steps: mean batch)
     rows: int = 0
     widest: int = 0
@@ -411,45 +501,66 @@ class Scheduler:
             return
         self.running.append(_Turn(work, events))
 
-    # -- one round: one turn advanced through its resume or a prefill chunk, one batch step
+    # -- one round: one turn advanced to its next model call (a resume, a prompt chunk), then
+    #    one model call for every turn's step
+
+    def fused(self) -> bool:
+        """Whether prompt chunks run in the same call as decode steps (checked once)."""
+        if self.unfused is None:
+            self.unfused = fusion_refusal(self.session.engine)
+            if self.unfused:
+                self.log("localchat: this model's prompt chunks run as passes of their own "
+                         f"({self.unfused})")
+        return not self.unfused
 
     def round(self) -> None:
         if not self.running:
             return
         others = [t for t in self.running if t.step is None and not t.locked]
+        t0 = time.perf_counter()
         if others:
             # Round robin over the turns that are not decoding: one yield point each round.
             self._next %= len(others)
             turn = others[self._next]
             self._next += 1
             self.pace.busy = any(t.step is not None for t in self.running)
-            before, t0 = turn.prefilled, time.perf_counter()
             self._advance(turn)
-            if before:  # (the first chunk also paid for the resume: not a prefill rate)
-                self.pace.prefilled(turn.prefilled - before, time.perf_counter() - t0)
+            t0 = time.perf_counter()  # (a resume read from disk is no model time)
         elif all(t.locked for t in self.running):
             # Each waits for a conversation's lock and no other turn here holds one now.
             self._advance(self.running[0], unlock=True)
         stepping = [t for t in self.running if t.step is not None]
         if not stepping:
             return
-        model = self.session.engine.model
-        t0 = time.perf_counter()
-        try:
-            run_steps(model, [t.step for t in stepping])
-        except Exception:  # noqa: BLE001 - tried again one by one: only a failing turn fails
-            for t in list(stepping):
-                try:
-                    run_steps(model, [t.step])
-                except Exception as err:  # noqa: BLE001 - its owner answers it
-                    stepping.remove(t)
-                    self._retire(t, err)
+        chunks = [t for t in stepping if is_chunk(t.step)]
+        decoding = len(chunks) < len(stepping)
+        chunk_tokens = sum(t.step.token.shape[0] for t in chunks)
+        if not chunks or len(stepping) == 1 or self.fused():
+            calls = [stepping]
+        else:  # each chunk as a pass of its own, then the decode steps batched
+            calls = [[t] for t in chunks] + [[t for t in stepping if t not in chunks]]
+        for call in calls:
+            self._call(call, stepping)
         self.steps, self.rows = self.steps + 1, self.rows + len(stepping)
         self.widest = max(self.widest, len(stepping))
         for t in stepping:
             t.step = None
             self._advance(t)
-        self.pace.stepped(time.perf_counter() - t0)
+        self.pace.stepped(time.perf_counter() - t0, chunk_tokens, decoding)
+
+    def _call(self, call: list, stepping: list) -> None:
+        """Run the steps of ``call`` in one model call; if it fails, each alone (only a failing
+        turn fails: it retires, and leaves ``stepping``)."""
+        model = self.session.engine.model
+        try:
+            run_steps(model, [t.step for t in call])
+        except Exception:  # noqa: BLE001 - tried again one by one: only a failing turn fails
+            for t in list(call):
+                try:
+                    run_steps(model, [t.step])
+                except Exception as err:  # noqa: BLE001 - its owner answers it
+                    stepping.remove(t)
+                    self._retire(t, err)
 
     def _retire(self, turn: _Turn, err: BaseException) -> None:
         """End ``turn`` with ``err`` (closed: it keeps its partial reply and the cache of what
@@ -485,7 +596,6 @@ class Scheduler:
                     continue
                 turn.work.emit(ev)
                 if isinstance(ev, PrefillProgress):
-                    turn.prefilled = ev.done
                     return
         except StopIteration:
             pass

@@ -158,6 +158,58 @@ def test_a_batched_step_gives_each_row_its_own_logits(family, name):
             assert mx.allclose(x, y, atol=1e-4).item()
 
 
+FUSED = ["llama", "qwen3", "gemma3_text", "gpt_oss"]
+UNFUSED = ["qwen3_next", "lfm2", "mamba2", "falcon_h1", "baichuan_m1"]
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_a_prompt_chunk_beside_decode_steps_gives_each_its_lone_result(family, name):
+    """Two histories decode while a third takes a 14-token prompt chunk (past a 16-token
+    window) in the same model call, then all three decode one step batched: each row's
+    logits and cache are the lone model's (to batched rounding, 1e-3). Controls: the chunk's logits
+    are not those of its last token fed without the rest of the chunk, nor another row's."""
+    import mlx.core as mx
+
+    from localchat.events import Step
+    from localchat.kvcache import kinds as ck
+    from localchat.scheduler import fusion_refusal, run_steps
+
+    engine = family(name)
+    assert fusion_refusal(engine) == ""
+    prompts = [[5 + (i * 7) % 300 for i in range(n)] for n in (9, 23, 10)]
+    chunk = [40 + (i * 11) % 250 for i in range(14)]
+    lone = [prefilled(engine, p) for p in prompts]
+    fused = [prefilled(engine, p) for p in prompts]
+    want = [engine.model(mx.array([[11]]), cache=c)[:, -1, :] for c in lone[:2]]
+    want.append(engine.model(mx.array(chunk)[None], cache=lone[2])[:, -1, :])
+    steps = [Step(mx.array([11]), fused[0]), Step(mx.array([11]), fused[1]),
+             Step(mx.array(chunk), fused[2])]
+    run_steps(engine.model, steps)
+    for w, s in zip(want, steps):
+        assert mx.allclose(w, s.logits, atol=1e-3).item()
+    skipped = prefilled(engine, prompts[2])  # the control: the chunk's last token alone
+    wrong = engine.model(mx.array([chunk[-1:]]), cache=skipped)[:, -1, :]
+    assert not mx.allclose(wrong, steps[2].logits, atol=1e-2).item()
+    assert not mx.allclose(want[0], steps[2].logits, atol=1e-2).item()
+    want = [engine.model(mx.array([[42]]), cache=c)[:, -1, :] for c in lone]
+    steps = [Step(mx.array([42]), c) for c in fused]
+    run_steps(engine.model, steps)
+    for w, s in zip(want, steps):
+        assert mx.allclose(w, s.logits, atol=1e-3).item()
+        assert mx.argmax(w).item() == mx.argmax(s.logits).item()
+    for a, b in zip(lone, fused):
+        assert ck.position(a) == ck.position(b)
+        for x, y in zip(ck.state_arrays(a), ck.state_arrays(b)):
+            assert mx.allclose(x, y, rtol=2e-3, atol=1e-3).item()  # (float16 K/V: one ulp)
+
+
+@pytest.mark.parametrize("name", UNFUSED)
+def test_a_recurrent_model_runs_its_prompt_chunks_as_passes_of_their_own(family, name):
+    from localchat.scheduler import fusion_refusal
+
+    assert fusion_refusal(family(name)).startswith("a fused step failed")
+
+
 @pytest.mark.parametrize("name", ALONE)
 def test_a_model_whose_batched_step_fails_runs_alone(family, name):
     from localchat.scheduler import batch_refusal
@@ -165,16 +217,19 @@ def test_a_model_whose_batched_step_fails_runs_alone(family, name):
     assert batch_refusal(family(name)).startswith("a batched step")
 
 
-def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session):
-    """Three turns decode while a ~700-token prompt arrives: decode steps run between its
+@pytest.mark.parametrize("unfused", [None, "a pass of its own (the test says so)"])
+def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session, unfused):
+    """Three turns decode while a ~700-token prompt arrives: decode steps run beside its
     prefill chunks (no timing asserted; the gaps are measured by scripts/bench_serve.py), and
-    every turn ends with the reply it gives alone."""
+    every turn ends with the reply it gives alone — with each chunk in the decode steps'
+    model call, and with each chunk as a pass of its own (a model that cannot fuse them)."""
     from localchat.events import TurnFinished
     from localchat.session import TurnOptions
 
     prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 100]
-    convs = [session.conversation(f"c{i}") for i in range(4)]
+    convs = [session.conversation(f"c{i}-{bool(unfused)}") for i in range(4)]
     sched = Scheduler(session, max_batch=4, memory=2**30)
+    sched.unfused = unfused
     at_chunk: list[int] = []
     done: dict[int, str] = {}
 
@@ -242,12 +297,14 @@ def test_pace_sizes_a_chunk_to_a_share_of_a_decode_round():
     assert p.chunk() == PREFILL_CHUNK  # no one waits to decode: the whole chunk
     p.busy = True
     assert p.chunk() == 4 * MIN_CHUNK  # not measured yet: small, to measure
-    p.stepped(0.1)
-    p.prefilled(1000, 1.0)  # 1,000 tok/s, 100 ms a round: 0.7 x 100 tokens
+    p.stepped(0.1)  # a decode round: 100 ms
+    p.stepped(0.2, chunk_tokens=100)  # 100 prompt tokens beside it added 100 ms: 1 ms each
+    assert p.chunk() == 70  # 0.7 x 100 ms / 1 ms
+    p.stepped(0.05, chunk_tokens=100)  # (a round faster than a plain one says nothing)
     assert p.chunk() == 70
-    p.prefilled(0, 1.0)  # (nothing prefilled says nothing)
-    assert p.chunk() == 70
+    p.stepped(0.2, chunk_tokens=200, decoding=False)  # a chunk alone: all its time is its own
+    assert p.chunk() == round(0.7 * 0.1 / (0.7 * 1e-3 + 0.3 * 1e-3))
     p.stepped(10.0)  # a slow round (a big batch): bounded by the whole chunk
     assert p.chunk() == PREFILL_CHUNK
-    q = Pace(busy=True, step_s=0.001, rate=10.0)
+    q = Pace(busy=True, step_s=0.001, token_s=0.1)
     assert q.chunk() == MIN_CHUNK
