@@ -189,9 +189,9 @@ def threads_note() -> str:
 
 class Prefetch:
     """A CPU weights file read and checked on a thread of its own (``load_checked``), started
-    before the slow imports (mlx-lm brings in transformers: ~0.9 s here) so that reading
-    ~0.5 GB overlaps them; ``tune`` takes the result. MLX and numpy read and check without
-    the GIL."""
+    before the rest of the start (imports, the tokenizer, the model's modules) so that reading
+    ~0.5 GB overlaps it; ``tune`` takes the result. MLX reads and xxhash checks without the
+    GIL, and the check imports nothing heavy (``derived.py``)."""
 
     def __init__(self, path: Path, source: str) -> None:
         import threading
