@@ -244,10 +244,10 @@ class Unquantized:
         if hasattr(model, "sanitize"):
             weights = model.sanitize(weights)
         quantized = frozenset(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
-        layers = dict(model.named_modules())
         # Only layers the CPU path turns into plain ones (``backend.tune``): a quantized
         # layer of another kind (an MoE's switch layers) keeps mlx-lm's whole path.
-        if not all(type(layers.get(name)) in (nn.Linear, nn.Embedding) for name in quantized):
+        if not all(type(_child(model, name)) in (nn.Linear, nn.Embedding)
+                   for name in quantized):
             return None
         return cls(model, config, weights, quantized)
 
@@ -272,3 +272,16 @@ class Unquantized:
                 items[f"{name}.bias"] = items[f"{name}.bias"].astype(mx.float32)
         self.model.eval()
         self.model.load_weights(list(items.items()), strict=True)
+
+
+def _child(module, dotted: str):
+    """The submodule at ``dotted`` ("model.layers.3.mlp.up_proj"), or None."""
+    node = module
+    for part in dotted.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:  # (an nn.Module is a dict)
+            node = node[part]
+        else:
+            return None
+    return node
