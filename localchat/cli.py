@@ -352,6 +352,8 @@ def _print_turn(events, as_json: bool, cancel, show_thinking: bool = False):
 
 def cmd_chat(args) -> int:
     """Open the chat app (the default command)."""
+    from .tui.run import run_app
+
     model = getattr(args, "model", None)
     group = None
     if getattr(args, "hosts", None) or getattr(args, "hostfile", None):
@@ -361,33 +363,11 @@ def cmd_chat(args) -> int:
         store.close()
         model = model or (known.model if known and known.model != DEFAULT_MODEL else None)
         group = start_cluster(args, model)
-    else:
-        from .engine import preload
-
-        # The CPU weights are read while the app imports and draws its first frame.
-        preload(model or _first_model(getattr(args, "conversation", None)))
-    from .tui.run import run_app
-
     return run_app(conversation=getattr(args, "conversation", None),
                    model=model, kv_bits=getattr(args, "kv_bits", None),
                    kv_group=getattr(args, "kv_group_size", None), group=group,
                    context_overflow=getattr(args, "context_overflow", None),
                    speculate=getattr(args, "speculate", "lookup"))
-
-
-def _first_model(name: str | None) -> str | None:
-    """The model of the conversation the app opens first (``name``, else the most recent
-    one); None for the default model, or where the database cannot say (the app reports
-    that itself)."""
-    try:
-        store = open_store()
-        try:
-            conv = store.find(name) if name else next(iter(store.list()), None)
-        finally:
-            store.close()
-    except LocalchatError:
-        return None
-    return conv.model if conv is not None else None
 
 
 def cmd_batch(args) -> int:

@@ -224,28 +224,3 @@ def test_exit_now_waits_for_a_thread_that_is_not_a_daemon(tmp_path):
     (tmp_path / "done").unlink()
     out = _exiting(tmp_path, f"threading.Thread(target={work}, daemon=True).start()")
     assert out.returncode == 3 and not (tmp_path / "done").exists()
-
-
-def test_the_app_reads_the_weights_of_the_model_it_opens_first(home, monkeypatch):
-    """``localchat chat`` starts reading the CPU weights (``engine.preload``) of the model the
-    app opens first: -m, the conversation -c names, else the most recent one's; a database it
-    cannot read starts none (the app says why itself)."""
-    from localchat import cli, engine, paths
-    from localchat.store import Store
-
-    asked = []
-    monkeypatch.setattr(engine, "preload", asked.append)
-    monkeypatch.setattr("localchat.tui.run.run_app", lambda **kw: 0)
-    store = Store.open(paths.database_path())
-    store.create("old", "/models/a")
-    store.create("new", "/models/b")
-    store.close()
-    for argv, expected in ((["chat"], "/models/b"), (["chat", "-c", "old"], "/models/a"),
-                           (["chat", "-c", "old", "-m", "/models/c"], "/models/c"),
-                           (["chat", "-c", "nobody"], None)):
-        asked.clear()
-        assert main(argv) == 0 and asked == [expected], argv
-    paths.database_path().write_bytes(b"not a database" * 100)
-    asked.clear()
-    assert main(["chat"]) == 0 and asked == [None]
-    assert cli._first_model("old") is None  # (the same file, unreadable)
