@@ -94,9 +94,13 @@ def start_cluster(args, model: str | None):
 def session_for(model: str | None, args=None):
     """The session of every command that runs a model; loading notices go to stderr.
     With --hosts, the model is split over the hosts (``start_cluster``)."""
+    group = start_cluster(args, model)
+    if group is None:
+        from .engine import preload
+
+        preload(model)  # the CPU weights are read while the session's modules import
     from .session import open_session
 
-    group = start_cluster(args, model)
     session = open_session(model, progress=say, group=group)
     for text in session.start_notices():
         say(text)

@@ -18,13 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from .cpu import attention, backend
-from .errors import BadInput, ModelBroken
+from .errors import BadInput, LocalchatError, ModelBroken
 from .events import Step
 from .kvcache import kinds as ck
 from .kvcache.folder import Layout, common_prefix
-from .models import ModelRef, model_digest, resolve
+from .models import ModelRef, local_ref, model_digest, resolve
 from .paths import cpu_weights_dir
 
 PREFILL_CHUNK = 512
@@ -96,23 +97,34 @@ class Engine:
         backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
         digest = model_digest(ref.path)
-        weights_cache = cpu_weights_dir() / f"{digest[:32]}.safetensors"
+        weights_cache = _cpu_weights(digest)
         split = group is not None and group.size > 1
-        # The CPU weights are read while mlx-lm (and transformers) import: they were made
-        # from this digest, and the thread is joined before MLX is used here.
+        # The CPU weights are read on a thread (made from this digest; ``preload`` may have
+        # started it already) while the tokenizer and the model's modules are built.
         fetched = None if split else backend.prefetch(weights_cache, digest)
         # Neither imports transformers unless the tokenizer needs it (``tokenizer/``).
-        from .mlxlm import load_config, load_model
+        from .mlxlm import Unquantized, load_config, load_model
         from .tokenizer import load_tokenizer
 
+        left = fetched  # what ``tune`` is to take, unless the built model took it all
+        taken = False
         try:
-            # The tokenizer (no MLX) is built while the weights are still being read.
             tokenizer, plan = load_tokenizer(
                 ref.path, eos_token_ids=load_config(ref.path).get("eos_token_id"))
+            # Where float32 weights are coming, the modules are built plain (nothing
+            # quantized to be replaced), beside the reading thread (MLX >= 0.32 is safe
+            # across threads); the quantized tensors are mapped lazily, never read.
+            built = Unquantized.build(ref.path) if fetched is not None else None
             if fetched is not None:
+                _before_the_first_turn(tokenizer)  # (the thread is still reading)
                 fetched.join()
-            # Lazy: the quantized weights that the CPU path replaces are then never read.
-            model, config = load_model(ref.path, lazy=True)
+            if built is not None:
+                left = backend.tune_built(built, fetched)
+                taken = left is None
+            if taken:
+                model, config = built.model, built.config
+            else:
+                model, config = load_model(ref.path, lazy=True)
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
@@ -131,7 +143,7 @@ class Engine:
             import mlx.core as mx
 
             try:
-                tuned = backend.tune(model, weights_cache, digest, fetched)
+                tuned = [] if taken else backend.tune(model, weights_cache, digest, left)
                 mx.eval(model.parameters())  # what tune did not replace (all, off the CPU)
             except (RuntimeError, ValueError) as err:  # the model's own files, read lazily
                 reason = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -475,6 +487,36 @@ class Engine:
             y = sampler.draw(logits)
             mx.async_eval(y)
             yield tok
+
+
+def _before_the_first_turn(tokenizer) -> None:
+    """What the first turn would do first and needs no model: numpy imported (the cache's
+    loading and the CPU attention use it; ~0.1 s of imports) and the chat template compiled."""
+    import numpy  # noqa: F401
+
+    if (compile_template := getattr(tokenizer, "compile_template", None)) is not None:
+        compile_template()
+
+
+def _cpu_weights(digest: str) -> Path:
+    """Where the CPU path keeps the float32 copy of a model's quantized layers."""
+    return cpu_weights_dir() / f"{digest[:32]}.safetensors"
+
+
+def preload(name: str | None) -> None:
+    """Start reading the CPU weights of the model ``name`` names, for the ``Engine.load(name)``
+    to come (``backend.prefetch_early``): the front ends call it before their own slow imports,
+    so that the ~0.5 GB read overlaps them. Only a model already here (``models.local_ref``);
+    nothing is reported: ``Engine.load`` meets any problem again and says it."""
+    ref = local_ref(name)
+    if ref is None:
+        return
+    backend.prepare()
+    try:
+        digest = model_digest(ref.path)
+    except (LocalchatError, OSError):
+        return
+    backend.prefetch_early(_cpu_weights(digest), digest)
 
 
 def _quiet_transformers() -> None:

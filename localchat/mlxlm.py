@@ -202,3 +202,86 @@ def load_config(path: Path) -> dict:
     except ImportError:
         module = importlib.import_module("mlx_lm.utils")
     return module.load_config(path)
+
+
+class Unquantized:
+    """mlx-lm's ``load_model`` for a folder of MLX-quantized weights, up to (not including)
+    its ``nn.quantize``: the model's modules built plain, the folder's tensors mapped lazily.
+    For the CPU path, whose float32 copies of the quantized layers (``cpu/derived.py``) then
+    take their place (``finish``): nothing is quantized only to be replaced, and the quantized
+    tensors are never read.
+
+    ``build`` returns None where this is not mlx-lm's plain path (no ``quantization`` in
+    config.json, a model file of its own, quantized activations): the caller loads the usual
+    way. What it is not: another model loader (classes, sanitizing and the strict weight check
+    are mlx-lm's).
+    """
+
+    def __init__(self, model, config: dict, weights: dict, quantized: frozenset[str]):
+        self.model, self.config, self.weights = model, config, weights
+        self.quantized = quantized  # the layers mlx-lm would quantize: "{name}.scales" stored
+
+    @classmethod
+    def build(cls, path: Path) -> Unquantized | None:
+        import glob
+
+        import mlx.core as mx
+        import mlx.nn as nn
+
+        try:
+            module = utils()
+        except ImportError:
+            return None
+        config = module.load_config(path)
+        if not isinstance(config.get("quantization"), dict) or "model_file" in config or \
+                config.get("quantize_activations", False):
+            return None
+        weights = {}
+        for wf in glob.glob(str(path / "model*.safetensors")):
+            weights.update(mx.load(wf))
+        model_class, args_class = module._get_classes(config=config)
+        model = model_class(args_class.from_dict(config))
+        if hasattr(model, "sanitize"):
+            weights = model.sanitize(weights)
+        quantized = frozenset(k[: -len(".scales")] for k in weights if k.endswith(".scales"))
+        # Only layers the CPU path turns into plain ones (``backend.tune``): a quantized
+        # layer of another kind (an MoE's switch layers) keeps mlx-lm's whole path.
+        if not all(type(_child(model, name)) in (nn.Linear, nn.Embedding)
+                   for name in quantized):
+            return None
+        return cls(model, config, weights, quantized)
+
+    def finish(self, dense: dict) -> None:
+        """Load ``dense`` (a float32 ``weight`` per quantized layer; biases become float32, as
+        ``backend.tune`` makes them) and the folder's other tensors, lazily.
+
+        Raises:
+            ValueError: ``dense`` is not one weight of the right shape per quantized layer, or
+                the folder's tensors are not what the model has (mlx-lm's strict check).
+        """
+        import mlx.core as mx
+
+        if set(dense) != self.quantized:
+            raise ValueError("the float32 weights are not the model's quantized layers")
+        quant = (".weight", ".scales", ".biases")
+        items = {k: v for k, v in self.weights.items()
+                 if not (k.endswith(quant) and k.rsplit(".", 1)[0] in self.quantized)}
+        for name, w in dense.items():
+            items[f"{name}.weight"] = w
+            if f"{name}.bias" in items:
+                items[f"{name}.bias"] = items[f"{name}.bias"].astype(mx.float32)
+        self.model.eval()
+        self.model.load_weights(list(items.items()), strict=True)
+
+
+def _child(module, dotted: str):
+    """The submodule at ``dotted`` ("model.layers.3.mlp.up_proj"), or None."""
+    node = module
+    for part in dotted.split("."):
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:  # (an nn.Module is a dict)
+            node = node[part]
+        else:
+            return None
+    return node

@@ -80,6 +80,21 @@ def resolve(name: str | None, *, progress=None) -> ModelRef:
     )
 
 
+def local_ref(name: str | None) -> ModelRef | None:
+    """What ``resolve(name)`` gives when that needs nothing set up, downloaded or looked up in
+    the Hub's cache (the default model once converted, a model folder); None otherwise."""
+    if name is None or name in DEFAULT_ALIASES:
+        from .gguf import DEFAULT_DIR_NAME
+
+        folder = models_dir() / DEFAULT_DIR_NAME
+        return ModelRef(DEFAULT_MODEL, folder, "embedded") if (
+            folder / "config.json").is_file() else None
+    path = Path(name).expanduser()
+    if (path / "config.json").is_file():
+        return ModelRef(str(path.resolve()), path.resolve(), "local")
+    return None
+
+
 def _hub_folder(repo_id: str, progress) -> Path:
     """The local snapshot of a Hub repo: cached copy first, then a download."""
     from huggingface_hub import snapshot_download

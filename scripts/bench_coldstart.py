@@ -168,7 +168,7 @@ code = cli.main(argv)
 sys.stdout.flush()
 marks["main"] = time.time() - t_spawn
 print("STEPS " + json.dumps({"marks": marks, "spent": spent}), file=sys.stderr)
-sys.exit(code)
+getattr(cli, "exit_now", sys.exit)(code)  # as ``localchat`` exits (versions before: sys.exit)
 """
 
 

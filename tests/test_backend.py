@@ -169,6 +169,84 @@ def test_damaged_cpu_weights_are_rebuilt_with_a_notice(home, quantized_model, da
     assert third.notices == [] and mx.array_equal(third.model(x), expected)
 
 
+@pytest.mark.cpu_only
+def test_a_start_with_float32_weights_builds_the_model_plain(home, quantized_model,
+                                                             monkeypatch):
+    """Once the CPU weights exist, a start builds the model's layers plain and loads them
+    into it: nothing is quantized only to be replaced (control: the first start, which makes
+    the weights, quantizes as mlx-lm does), and the model computes what the first one does."""
+    quantized = []
+    real = nn.quantize
+    monkeypatch.setattr(nn, "quantize", lambda *a, **k: (quantized.append(1), real(*a, **k))[1])
+    x = mx.array([[5, 17, 42, 99, 7]])
+    first = Engine.load(str(quantized_model))
+    assert quantized and first.notices == []
+    quantized.clear()
+    second = Engine.load(str(quantized_model))
+    assert quantized == [] and second.notices == []
+    layers = [m for _, m in second.model.named_modules()]
+    assert not any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for m in layers)
+    assert sorted(type(m).__name__ for m in layers) == \
+        sorted(type(m).__name__ for _, m in first.model.named_modules())
+    assert mx.array_equal(second.model(x), first.model(x))
+
+
+@pytest.mark.cpu_only
+def test_float32_weights_that_do_not_fit_the_model_are_rebuilt_with_a_notice(home,
+                                                                             quantized_model):
+    """A weights file with a sound check but a layer of another shape (made by some other
+    build of the model) is not loaded: one notice, rebuilt, the same replies."""
+    from localchat.cpu import derived
+
+    x = mx.array([[5, 17, 42, 99, 7]])
+    fresh = Engine.load(str(quantized_model))
+    expected = fresh.model(x)
+    (cached,) = (home / "cpu-weights").glob("*.safetensors")
+    dense = mx.load(str(cached))
+    name = sorted(dense)[-1]
+    dense[name] = dense[name][:, :-1]
+    derived.save_checked(cached, dense, fresh.info().model_digest)
+    again = Engine.load(str(quantized_model))
+    assert len(again.notices) == 1, again.notices
+    assert again.notices[0].startswith(f"CPU weights rebuilt: {cached.name} does not fit the "
+                                       "model (Expected shape")
+    assert mx.array_equal(again.model(x), expected)
+    third = Engine.load(str(quantized_model))
+    assert third.notices == [] and mx.array_equal(third.model(x), expected)
+
+
+@pytest.mark.cpu_only
+def test_preload_starts_the_read_that_the_load_takes_over(home, quantized_model, tiny_model,
+                                                          monkeypatch):
+    """``engine.preload`` (what ``ask`` calls before its imports) starts reading the CPU
+    weights; the load of that model takes that read over instead of starting another
+    (control: a load with no preload starts one). A preload for a model that is then not
+    loaded is dropped, and a name that is not here yet starts nothing."""
+    from localchat.engine import preload
+
+    x = mx.array([[5, 17, 42, 99, 7]])
+    expected = Engine.load(str(quantized_model)).model(x)  # makes the CPU weights
+    started = []
+    real = backend.Prefetch.__init__
+    monkeypatch.setattr(backend.Prefetch, "__init__",
+                        lambda self, *a: (started.append(a[0].name), real(self, *a))[1])
+    preload(str(quantized_model))
+    assert len(started) == 1
+    engine = Engine.load(str(quantized_model))
+    assert len(started) == 1 and engine.notices == [] and mx.array_equal(engine.model(x),
+                                                                        expected)
+    Engine.load(str(quantized_model))
+    assert len(started) == 2  # the control: no preload, a read of its own
+    preload(str(quantized_model))
+    Engine.load(str(tiny_model))  # another model (unquantized: nothing to read)
+    assert len(started) == 3
+    Engine.load(str(quantized_model))
+    assert len(started) == 4  # the early read was dropped, not kept for later
+    preload("someone/not-downloaded")
+    preload(str(home / "no-such-folder"))
+    assert len(started) == 4
+
+
 # -- the branches a Mac or a CUDA machine takes, run here with the backend check off -------
 
 

@@ -189,3 +189,38 @@ def test_ask_regenerate_and_edit_last_reuse_the_cache(home, tiny_model, capsys):
     assert main(["ask", "--regenerate"]) == 2
     assert "need -c NAME" in capsys.readouterr().err
     assert main(["ask", "-c", "nope", "--edit-last", "x"]) == 2
+
+
+# -- the exit -----------------------------------------------------------------------------
+
+
+def _exiting(tmp_path, body: str):
+    """Run ``body`` then ``exit_now(3)`` in a fresh Python; its result and the marker files."""
+    import subprocess
+    import sys
+
+    code = ("import atexit, sys, threading, time; from pathlib import Path; "
+            "from localchat.cli import exit_now; here = Path(sys.argv[1]); "
+            f"{body}; exit_now(3)")
+    return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_exit_now_keeps_the_status_runs_atexit_and_flushes(tmp_path):
+    """What skipping the interpreter's teardown must not skip: the ``atexit`` handlers (the
+    MCP servers' process groups are killed in one), all of stdout, the exit status."""
+    out = _exiting(tmp_path, "atexit.register(lambda: (here / 'atexit').write_text('ran')); "
+                             "sys.stdout.write('x' * 200_000); sys.stderr.write('note')")
+    assert out.returncode == 3 and out.stdout == "x" * 200_000 and out.stderr == "note"
+    assert (tmp_path / "atexit").read_text() == "ran"
+
+
+def test_exit_now_waits_for_a_thread_that_is_not_a_daemon(tmp_path):
+    """A thread that is not a daemon is waited for, as Python's own exit does (control: a
+    daemon thread is not, so the test can tell)."""
+    work = "lambda: (time.sleep(0.5), (here / 'done').write_text('yes'))"
+    out = _exiting(tmp_path, f"threading.Thread(target={work}).start()")
+    assert out.returncode == 3 and (tmp_path / "done").read_text() == "yes"
+    (tmp_path / "done").unlink()
+    out = _exiting(tmp_path, f"threading.Thread(target={work}, daemon=True).start()")
+    assert out.returncode == 3 and not (tmp_path / "done").exists()

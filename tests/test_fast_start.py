@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from localchat.cli import main
 
 ROOT = Path(__file__).parent.parent
@@ -111,3 +113,33 @@ def test_a_damaged_code_cache_is_compiled_again(home):
         assert hashlib.sha256(blob[32:]).digest() == blob[:32]  # written back whole
     # the heavy imports are not in it: compiled code runs no transformers import
     assert not any("transformers" in str(c) for c in good.co_consts if isinstance(c, str))
+
+
+def test_the_template_compiled_early_is_the_one_a_render_takes(tiny_model, tmp_path):
+    """``compile_template`` (run while the CPU weights are read) compiles what the first
+    render would: that render finds it compiled. A template that does not compile is left
+    for the render to report (the control: the render does raise)."""
+    import shutil
+
+    from jinja2 import TemplateError
+
+    from localchat.tokenizer import load_tokenizer, template
+
+    tok, _ = load_tokenizer(tiny_model)
+    template.compiled.cache_clear()
+    tok.compile_template()
+    assert template.compiled.cache_info().currsize == 1
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                   add_generation_prompt=True)
+    info = template.compiled.cache_info()
+    assert "Hi" in text and info.currsize == 1 and info.hits >= 1
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if %}broken"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    broken, _ = load_tokenizer(folder)
+    broken.compile_template()  # no error here
+    with pytest.raises(TemplateError):
+        broken.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)

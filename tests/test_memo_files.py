@@ -176,6 +176,102 @@ def test_every_changed_sidecar_field_refuses_the_derived_file(tmp_path):
         derived.load_checked(path, "source-b")
 
 
+def _flip_bit(path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 1]))
+
+
+def _refused(path, source: str) -> str:
+    """The one-line reason ``load_checked`` refuses ``path`` with (the test fails if it is
+    taken)."""
+    with pytest.raises(derived.DerivedDamaged) as err:
+        derived.load_checked(path, source)
+    assert "\n" not in str(err.value) and str(err.value).startswith(path.name)
+    return str(err.value)
+
+
+def test_one_flipped_bit_anywhere_refuses_the_derived_file(tmp_path):
+    """In the header, the first and last weight bytes, the middle: each refused with one line;
+    the file flipped back is taken again (the control)."""
+    path = tmp_path / "w.safetensors"
+    tensors = {"a": mx.arange(70_000, dtype=mx.float32), "b": mx.ones((3, 5), mx.float32)}
+    derived.save_checked(path, tensors, "src")
+    size = path.stat().st_size
+    hlen = int.from_bytes(path.read_bytes()[:8], "little")
+    for at in (3, 8 + hlen // 2, 8 + hlen, size // 2, size - 1):
+        _flip_bit(path, at)
+        assert _refused(path, "src") == "w.safetensors is damaged (checksum)", at
+        _flip_bit(path, at)
+        got = derived.load_checked(path, "src")
+        assert all(mx.array_equal(got[k], tensors[k]) for k in tensors), at
+
+
+def test_words_swapped_inside_a_mib_are_caught(tmp_path):
+    """Two 8-byte words swapped: the earlier per-MiB-sum digest could not see it (its sums do
+    not change: the control that this damage is a hard one), the current check refuses it."""
+    path = tmp_path / "w.safetensors"
+    derived.save_checked(path, {"a": mx.arange(100_000, dtype=mx.float32)}, "src")
+    before = derived._sum_digest(path)
+    data = bytearray(path.read_bytes())
+    i, j = len(data) // 8 * 8 - 64, len(data) // 8 * 8 - 128
+    assert data[i:i + 8] != data[j:j + 8]
+    data[i:i + 8], data[j:j + 8] = data[j:j + 8], data[i:i + 8]
+    path.write_bytes(bytes(data))
+    assert derived._sum_digest(path) == before
+    _refused(path, "src")
+
+
+def test_a_sidecar_of_the_earlier_kind_is_checked_that_way_once(tmp_path):
+    """A file an earlier version wrote (sidecar ``digest``: the per-MiB sums) is taken after
+    that check and its sidecar becomes the current kind; damaged, it is refused as before."""
+    path = tmp_path / "w.safetensors"
+    tensors = {"a": mx.arange(300_000, dtype=mx.float32)}
+    derived.save_checked(path, tensors, "src")
+    side = path.with_name(path.name + ".check.json")
+    current = json.loads(side.read_text())
+    assert current.keys() == {"source", "nbytes", "xxh3"}
+    earlier = {"source": "src", "nbytes": current["nbytes"], "digest": derived._sum_digest(path)}
+    side.write_text(json.dumps(earlier))
+    assert mx.array_equal(derived.load_checked(path, "src")["a"], tensors["a"])
+    assert json.loads(side.read_text()) == current  # upgraded: the next start checks fast
+    side.write_text(json.dumps(earlier))
+    _flip_bit(path, path.stat().st_size // 2)
+    assert _refused(path, "src") == "w.safetensors is damaged (checksum)"
+    assert json.loads(side.read_text()) == earlier  # (refused: nothing written)
+    mixed = {**earlier, "xxh3": current["xxh3"]}  # both kinds at once: not a sidecar we wrote
+    side.write_text(json.dumps(mixed))
+    assert _refused(path, "src") == "w.safetensors has a damaged check file"
+
+
+def test_checking_the_cpu_weights_imports_no_numpy(tmp_path):
+    """The check runs on a thread while the start imports: numpy (0.2-0.3 s of imports
+    under the GIL) is not among its imports. Control: the earlier kind of sidecar needs it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "w.safetensors"
+    derived.save_checked(path, {"a": mx.arange(1000, dtype=mx.float32)}, "src")
+    code = ("import sys; from pathlib import Path; from localchat.cpu import derived; "
+            "d = derived.load_checked(Path(sys.argv[1]), 'src'); "
+            "print(int(d['a'].sum().item()), 'numpy' in sys.modules)")
+
+    def run() -> str:
+        out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    assert run() == "499500 False"
+    side = path.with_name(path.name + ".check.json")
+    meta = json.loads(side.read_text())
+    side.write_text(json.dumps({"source": "src", "nbytes": meta["nbytes"],
+                                "digest": derived._sum_digest(path)}))
+    assert run() == "499500 True"
+
+
 @pytest.mark.cpu_only  # (the CPU weights exist on the CPU path only)
 @pytest.mark.parametrize("change", ["a list", "size as a float", "size as a bool"])
 def test_a_changed_sidecar_rebuilds_the_cpu_weights_with_a_notice(home, quantized_model,

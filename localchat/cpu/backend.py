@@ -189,9 +189,9 @@ def threads_note() -> str:
 
 class Prefetch:
     """A CPU weights file read and checked on a thread of its own (``load_checked``), started
-    before the slow imports (mlx-lm brings in transformers: ~0.9 s here) so that reading
-    ~0.5 GB overlaps them; ``tune`` takes the result. MLX and numpy read and check without
-    the GIL."""
+    before the rest of the start (imports, the tokenizer, the model's modules) so that reading
+    ~0.5 GB overlaps it; ``tune`` takes the result. MLX reads and xxhash checks without the
+    GIL, and the check imports nothing heavy (``derived.py``)."""
 
     def __init__(self, path: Path, source: str) -> None:
         import threading
@@ -229,17 +229,69 @@ class Prefetch:
         return self._dense
 
 
+_early: Prefetch | None = None  # started by ``prefetch_early``, for the next ``prefetch``
+
+
 def prefetch(weights_cache: Path, source: str) -> Prefetch | None:
     """Start reading ``weights_cache`` for ``tune`` where it will be used (the CPU path, weights
-    kept dequantized); None elsewhere."""
+    kept dequantized); None elsewhere. A read ``prefetch_early`` started for the same file and
+    source is taken over (any other one is dropped)."""
+    global _early
+    early, _early = _early, None
+    if early is not None and (early.path, early.source) == (weights_cache, source):
+        return early
     if not cpu_path() or os.environ.get("LOCALCHAT_DEQUANTIZE") == "0" or \
             not weights_cache.is_file():
         return None
     return Prefetch(weights_cache, source)
 
 
+def prefetch_early(weights_cache: Path, source: str) -> None:
+    """``prefetch`` now, for the load to come (``engine.preload``): the first ``prefetch`` of
+    the same file takes it over."""
+    global _early
+    _early = prefetch(weights_cache, source)
+
+
+class Refused:
+    """Stands for a ``Prefetch`` whose weights the model could not take: ``tune`` rebuilds
+    them, with ``err`` as its notice."""
+
+    def __init__(self, err: DerivedDamaged) -> None:
+        self.err = err
+
+    def result(self) -> dict | None:
+        raise self.err
+
+
+def tune_built(built, fetched: Prefetch) -> Prefetch | Refused | None:
+    """``tune`` for a model built without quantizing (``mlxlm.Unquantized``): its quantized
+    layers take the float32 weights ``fetched`` read, loaded as mlx-lm loads weights (names and
+    shapes checked). Returns None once done; otherwise the model is to be loaded the usual way
+    and ``tune`` given what this returns as ``fetched``: ``fetched`` itself (no file, a damaged
+    one, a model over the size limit) or ``Refused`` (weights that do not fit the model:
+    rebuilt, with a notice)."""
+    try:
+        dense = fetched.result()
+    except DerivedDamaged:
+        return fetched
+    if dense is None or sum(w.size for w in dense.values()) * 4 > _max_bytes():
+        return fetched
+    try:
+        built.finish(dense)
+    except ValueError as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return Refused(DerivedDamaged(f"{fetched.path.name} does not fit the model ({reason})"))
+    return None
+
+
+def _max_bytes() -> float:
+    """The largest float32 copy of a model's quantized layers kept (``tune``)."""
+    return float(os.environ.get("LOCALCHAT_DEQUANTIZE_MAX_GB", "4")) * 2**30
+
+
 def tune(model, weights_cache: Path | None = None, source: str = "",
-         fetched: Prefetch | None = None) -> list[str]:
+         fetched: Prefetch | Refused | None = None) -> list[str]:
     """On the CPU, replace quantized layers by float32 ones (BLAS matmuls).
 
     Dequantizing the default model takes ~1.6 s, so the float32 result is kept in
@@ -250,7 +302,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "",
 
     Args:
         source: the model's digest; a weights file made from another one is not used.
-        fetched: ``weights_cache`` already being read (``prefetch``).
+        fetched: ``weights_cache`` already being read (``prefetch``), or ``Refused``.
     Returns:
         Notices for the user (a damaged weights file was rebuilt, or could not be kept).
     """
@@ -264,7 +316,7 @@ def tune(model, weights_cache: Path | None = None, source: str = "",
     if not quantized:
         return []
     elements = sum(mod.weight.size * 32 // mod.bits for _, mod in quantized)
-    if elements * 4 > float(os.environ.get("LOCALCHAT_DEQUANTIZE_MAX_GB", "4")) * 2**30:
+    if elements * 4 > _max_bytes():
         return []
     notices = []
     dense = None

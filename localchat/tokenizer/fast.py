@@ -356,6 +356,19 @@ class FastTokenizer:
                                            kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def compile_template(self) -> None:
+        """Compile the chat template a plain render takes, now rather than at the first render
+        (the engine does it while the CPU weights are still being read). A template that does
+        not compile is left for that render to report."""
+        from jinja2 import TemplateError
+
+        try:
+            template = self._template(None, None)
+            if isinstance(template, str):
+                chat.compiled(template)
+        except (ImportError, ValueError, TemplateError):
+            pass
+
     def _template(self, name: str | None, tools) -> str:
         """transformers' ``get_chat_template``."""
         if isinstance(self.chat_template, dict):
