@@ -13,6 +13,7 @@ Korea → 서울/Seoul).
 
 Usage: python scripts/bench_sampling.py [--quick | --smoke] [-m MODEL]
        [--temps 0.2,0.7] [--seeds N] [--max-tokens N] [--prompts LABEL,...] [--log FILE]
+       [--repetition-penalty P]
 Full: 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5 seeds; ``--smoke``:
 2 seeds, 2 prompts, 16 tokens, for a tiny model (``tests/test_scripts.py``; figures mean
 nothing). Prints a table, then one JSON line.
@@ -40,14 +41,15 @@ PROMPTS = (
 )
 
 
-def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int) -> dict:
+def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int,
+               penalty: float = 1.0) -> dict:
     """One turn in a new conversation, as ``ask --temp T --seed S`` runs it: finish, tokens,
     loop cut, reply."""
     from localchat.session import Notice, TurnFinished, TurnOptions
 
     conv = session.conversation(None)
     options = TurnOptions(max_tokens=cap, temp=temp, top_p=0.9 if temp > 0 else 1.0,
-                          seed=seed)
+                          seed=seed, repetition_penalty=penalty if temp > 0 else 1.0)
     cut, done = False, None
     for event in session.turn(conv, prompt, options):
         if isinstance(event, Notice) and event.text.startswith("reply cut"):
@@ -78,6 +80,8 @@ def main() -> None:
     ap.add_argument("--temps", default="0.2,0.7", help="temperatures, comma-separated")
     ap.add_argument("--seeds", type=int, default=0, help="seeds per temperature and prompt")
     ap.add_argument("--max-tokens", type=int, default=0, metavar="N", help="each reply's cap")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                    help="mlx-lm's repetition penalty for the sampled runs (1: off)")
     ap.add_argument("--prompts", default="", metavar="LABEL,...",
                     help=f"only these prompts (of {', '.join(p[0] for p in PROMPTS)})")
     ap.add_argument("--log", default="", metavar="FILE",
@@ -101,7 +105,7 @@ def main() -> None:
     try:
         for temp, seed in plan:
             for label, prompt, _ in prompts:
-                r = run_prompt(session, prompt, temp, seed, cap)
+                r = run_prompt(session, prompt, temp, seed, cap, args.repetition_penalty)
                 runs.setdefault((temp, label), []).append(r)
                 if log:
                     print(json.dumps({"temp": temp, "seed": seed, "prompt": label, **r},
@@ -122,7 +126,8 @@ def main() -> None:
         totals[str(temp)] = {"runs": runs, "ended": sum(r["ended"] for r in mine),
                              "loop_cut": sum(r["loop_cut"] for r in mine),
                              "at_cap": sum(r["at_cap"] for r in mine)}
-    print(f"# {benchlib.machine()}; cap {cap} tokens, top-p 0.9, {seeds} seeds; "
+    print(f"# {benchlib.machine()}; cap {cap} tokens, top-p 0.9, repetition penalty "
+          f"{args.repetition_penalty}, {seeds} seeds; "
           f"{time.perf_counter() - t0:.0f} s")
     benchlib.print_table(["temp", "prompt", "runs", "ended (EOS)", "loop cut", "at cap",
                           "median tokens", "longest", "right"], rows)
@@ -131,7 +136,8 @@ def main() -> None:
               f"cuts, {t['at_cap']} at the cap")
     benchlib.print_json({"bench": "sampling", "mode": benchlib.mode(args),
                          "model": args.model or "default", "machine": benchlib.machine(),
-                         "cap": cap, "seeds": seeds, "top_p": 0.9, "results": results,
+                         "cap": cap, "seeds": seeds, "top_p": 0.9,
+                         "repetition_penalty": args.repetition_penalty, "results": results,
                          "totals": totals})
 
 
