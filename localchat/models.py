@@ -9,7 +9,8 @@ A model is one of:
   there (no network), else downloaded with the hub's progress bars.
 
 The model digest (``model_digest``) is what the KV cache on disk and derived files are keyed
-by: it covers the weights, the config, the tokenizer and its chat template. Hashing ~100 MB
+by: it covers the weights, the config, the tokenizer and its chat template (and a makers'
+``generation_config.json``; not the sampling advice localchat writes into one). Hashing ~100 MB
 of weights on every start would cost ~0.3 s, so weight hashes are memoised in
 ``digests.json``, keyed by the file's path, size, modification and change times and
 inode: a file replaced by one of the same size and modification time (``cp -p``, ``rsync
@@ -22,6 +23,7 @@ This module does not load MLX.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from pathlib import Path
 from .errors import ModelBroken, ModelNotFound
 from .files import read_memo, sha256_file, write_memo
 from .paths import digests_path, models_dir
+from .sampling import WRITTEN
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL, "smollm2-135m-instruct"}
@@ -143,7 +146,7 @@ def model_digest(path: Path) -> str:
     digest = hashlib.sha256()
     for name in FINGERPRINTED_FILES:
         f = path / name
-        if f.is_file():
+        if f.is_file() and not _sampling_only(f):
             digest.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
@@ -151,6 +154,19 @@ def model_digest(path: Path) -> str:
     for f in weights:
         digest.update(f.name.encode() + b"\0" + _file_hash(f).encode())
     return digest.hexdigest()
+
+
+def _sampling_only(f: Path) -> bool:
+    """Whether ``f`` is a generation_config.json localchat wrote (``sampling.WRITTEN``): sampling
+    advice that no cached K/V depends on, left out so that writing it keeps caches valid. A
+    makers' file stays in the digest as it always was (its end tokens end replies)."""
+    if f.name != "generation_config.json":
+        return False
+    try:
+        data = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and isinstance(data.get(WRITTEN), dict)
 
 
 def _file_hash(path: Path) -> str:

@@ -18,6 +18,12 @@ from pathlib import Path
 
 MODEL = "generation_config.json"
 OURS = "localchat default"
+# A generation_config.json localchat wrote itself (the converted default model has none from
+# its makers: ``gguf.write_sampling_advice`` puts their model card's advice there) carries this
+# key: ``{"version": N, "source": "…"}``. It holds sampling advice only, which no cached K/V
+# depends on, so the model digest leaves it out (``models.model_digest``): writing it into a
+# folder converted earlier keeps every conversation's cache valid.
+WRITTEN = "localchat"
 
 # localchat's own defaults, for a model that recommends nothing: a mild temperature with a
 # nucleus cut (greedy makes small models loop; 1.0 made SmolLM2 answer "Gabon" for France's
@@ -83,11 +89,20 @@ def model_defaults(folder: Path | None) -> Sampling:
                            f"{'(' if low_open else '['}{low}, {high}]; using localchat's "
                            f"{LOCALCHAT[name]}")
             continue
-        values[name], sources[name] = kind(value), MODEL
+        values[name], sources[name] = kind(value), _named(given)
     if given.get("do_sample") is False:
         # The makers say greedy: any temperature the file names is not for sampling.
         values["temperature"], sources["temperature"] = 0.0, f"{MODEL} (do_sample: false)"
     return Sampling(**values, sources=sources, notices=tuple(notices))
+
+
+def _named(given: dict) -> str:
+    """``generation_config.json``, with the source localchat wrote into it (``WRITTEN``)."""
+    mark = given.get(WRITTEN)
+    source = mark.get("source") if isinstance(mark, dict) else None
+    if isinstance(source, str) and source.strip():
+        return f"{MODEL}: {source.strip()[:80]}"
+    return MODEL
 
 
 def _read(folder: Path | None) -> tuple[dict, list[str]]:

@@ -49,3 +49,17 @@ def test_default_model_answers_paris_with_an_8_bit_cache(home):
     two = json.loads(second.stdout)
     assert two["usage"]["cached_tokens"] >= json.loads(first.stdout)["usage"]["prompt_tokens"]
     assert "Berlin" in two["reply"]
+
+
+@pytest.mark.slow
+def test_the_converted_default_model_samples_as_its_card_advises(home):
+    """The conversion writes the model card's sampling (the GGUF has none); `inspect` names it."""
+    out = localchat(home, "inspect", "--json")
+    assert out.returncode == 0, out.stderr
+    defaults = json.loads(out.stdout)["sampling_defaults"]
+    card = "generation_config.json: SmolLM2-135M-Instruct model card"
+    assert defaults["temperature"] == {"value": 0.2, "source": card}
+    assert defaults["top_p"] == {"value": 0.9, "source": card}
+    assert defaults["top_k"]["source"] == "localchat default"  # the card names none
+    written = json.loads((home / "models" / "smollm2-135m" / "generation_config.json").read_text())
+    assert written["localchat"]["version"] == 1

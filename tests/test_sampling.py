@@ -124,3 +124,113 @@ def test_serve_fills_what_a_request_omits_from_the_model(server, kinds, tmp_path
     msg = claude.messages.create(model="localchat", messages=ask, max_tokens=64,
                                  extra_body={"top_k": 1})
     assert msg.usage.output_tokens <= 64
+
+
+# -- the embedded default model's advice (its model card's; the GGUF has none) --------------
+
+def test_the_default_models_advice_is_written_once_and_named_by_its_source(tiny_model, tmp_path):
+    from localchat import gguf
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    assert gguf.write_sampling_advice(folder) is True
+    got = model_defaults(folder)
+    source = f"{MODEL}: {gguf.SAMPLING_SOURCE}"
+    assert (got.temperature, got.top_p) == (0.2, 0.9)
+    assert got.sources["temperature"] == got.sources["top_p"] == source
+    assert got.sources["top_k"] == OURS  # what the card does not name stays ours
+    assert got.describe()[0] == f"temperature 0.2 ({source})"
+    stamp = (folder / MODEL).stat().st_mtime_ns
+    assert gguf.write_sampling_advice(folder) is False  # current: left as it is
+    assert (folder / MODEL).stat().st_mtime_ns == stamp
+
+
+def test_a_file_the_user_wrote_stands_and_an_older_advice_is_replaced(tiny_model, tmp_path,
+                                                                     monkeypatch):
+    from localchat import gguf
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    (folder / MODEL).write_text(json.dumps({"temperature": 0.5}))  # not ours: kept
+    assert gguf.write_sampling_advice(folder) is False
+    assert model_defaults(folder).temperature == 0.5
+    (folder / MODEL).write_text("[1, 2]")  # not an object: not ours either
+    assert gguf.write_sampling_advice(folder) is False
+    monkeypatch.setattr(gguf, "SAMPLING_VERSION", 0)
+    (folder / MODEL).unlink()
+    assert gguf.write_sampling_advice(folder) is True  # version 0 written
+    monkeypatch.setattr(gguf, "SAMPLING_VERSION", 1)
+    assert gguf.write_sampling_advice(folder) is True  # an older advice: rewritten
+    assert json.loads((folder / MODEL).read_text())["localchat"]["version"] == 1
+
+
+def test_the_advice_leaves_the_model_digest_as_it_was(tiny_model, tmp_path):
+    from localchat import gguf
+    from localchat.models import model_digest
+
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    before = model_digest(folder)
+    gguf.write_sampling_advice(folder)
+    assert model_digest(folder) == before
+    # Negative control: the makers' file with the same values is part of the digest.
+    (folder / MODEL).write_text(json.dumps(gguf.SAMPLING_ADVICE))
+    assert model_digest(folder) != before
+
+
+def default_turn(prompt: str, name: str = "c"):
+    from localchat.session import TurnFinished, TurnOptions, open_session
+
+    session = open_session(None)
+    try:
+        conv = session.conversation(name)
+        events = list(session.turn(conv, prompt, TurnOptions(max_tokens=8)))
+        sampling = session.engine.sampling()
+    finally:
+        session.close()
+    done = events[-1]
+    assert isinstance(done, TurnFinished)
+    return done, sampling
+
+
+def test_a_default_folder_converted_before_gets_the_advice_and_keeps_its_caches(
+        tiny_model, home, monkeypatch):
+    """The upgrade path: the default model's folder was converted by a localchat without the
+    advice and holds a conversation's cache; the next start writes the advice, samples with
+    it, and the conversation's next turn still appends to its cache."""
+    from localchat import gguf
+
+    folder = home / "models" / gguf.DEFAULT_DIR_NAME
+    shutil.copytree(tiny_model, folder)
+    with monkeypatch.context() as m:  # an earlier localchat: no advice
+        m.setattr(gguf, "write_sampling_advice", lambda f: False)
+        first, before = default_turn("What is the capital of France?")
+    assert not (folder / MODEL).exists() and before.temperature == LOCALCHAT["temperature"]
+    second, after = default_turn("And of Korea?")
+    assert (after.temperature, after.top_p) == (0.2, 0.9)
+    assert after.sources["temperature"] == f"{MODEL}: {gguf.SAMPLING_SOURCE}"
+    u1, u2 = first.usage, second.usage
+    assert u2.cached_tokens >= u1.prompt_tokens + u1.completion_tokens - 2, u2
+    assert not u2.miss_reason
+    # Negative control: a makers' file (no mark) changes the model, so the cache is rebuilt.
+    (folder / MODEL).write_text(json.dumps(gguf.SAMPLING_ADVICE))
+    third, _ = default_turn("And of Japan?")
+    assert third.usage.cached_tokens == 0 and third.usage.miss_reason
+
+
+def test_inspect_names_the_default_models_advice(tiny_model, home):
+    import os
+    import subprocess
+    import sys
+
+    from localchat import gguf
+
+    shutil.copytree(tiny_model, home / "models" / gguf.DEFAULT_DIR_NAME)
+    out = subprocess.run([sys.executable, "-m", "localchat", "inspect", "--json"],
+                         env={**os.environ, "LOCALCHAT_HOME": str(home)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    defaults = json.loads(out.stdout)["sampling_defaults"]
+    assert defaults["temperature"] == {"value": 0.2,
+                                       "source": f"{MODEL}: {gguf.SAMPLING_SOURCE}"}
+    assert defaults["min_p"]["source"] == OURS

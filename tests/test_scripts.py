@@ -128,6 +128,14 @@ def _serve(r: dict) -> None:
     assert r["clients"]["2"]["replies_equal"] in (True, False) and r["gaps"]["median_gap_s"] > 0
 
 
+def _sampling(r: dict) -> None:
+    # A greedy control row per prompt, then every seed at each temperature.
+    assert [(x["temp"], x["runs"]) for x in r["results"]] == [
+        (0.0, 1), (0.0, 1), (0.2, 2), (0.2, 2), (0.7, 2), (0.7, 2)]
+    assert set(r["totals"]) == {"0.2", "0.7"} and r["totals"]["0.2"]["runs"] == 4
+    assert all(x["ended"] + x["loop_cut"] + x["at_cap"] == x["runs"] for x in r["results"])
+
+
 def _share(r: dict) -> None:
     assert r["shared_cached_tokens"] > 0 and r["fork_next_turn"]["cached_tokens"] > 0
 
@@ -163,6 +171,7 @@ CASES = {
                     _longuse, model=False),
     "reasoning": Case({"families", "think_tokens", "answer_tokens"}, _reasoning, model=False),
     "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
+    "sampling": Case({"cap", "seeds", "top_p", "results", "totals"}, _sampling),
     "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",
                    "turn_restart_s", "mlx_lm_turn_restart_s", "turn1_full_prefill_s",
                    "cached_live", "cached_restart", "stored", "ask_empty_s", "ask_stored_s",

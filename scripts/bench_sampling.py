@@ -1,0 +1,145 @@
+"""Which temperature suits a model's sampled replies: how often they end, how long, how right.
+
+What the app and ``serve`` use when nothing is set (``sampling.py``) decides whether a user's
+first question ends on its own. For each temperature (top-p 0.9) and each of a few ordinary
+chat prompts (English and Korean), this runs the prompt in a new conversation over many seeds,
+plus one greedy run as the control, on the default model (or -m MODEL) in a scratch data
+folder, one model load, each a lone turn through ``Session.turn`` as ``ask --temp T --seed S``
+runs it (seed by seed over the temperatures, so a run stopped early is balanced). Per
+temperature and prompt: how many replies ended on their own (EOS, finish ``stop``) within the
+cap, the median and largest length in tokens, how many the loop cut ended (``generation.py``
+``looping``), and how many name the expected answer where the prompt has one (France → Paris,
+Korea → 서울/Seoul).
+
+Usage: python scripts/bench_sampling.py [--quick | --smoke] [-m MODEL]
+       [--temps 0.2,0.7] [--seeds N] [--max-tokens N] [--prompts LABEL,...] [--log FILE]
+       [--repetition-penalty P]
+Full: 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5 seeds; ``--smoke``:
+2 seeds, 2 prompts, 16 tokens, for a tiny model (``tests/test_scripts.py``; figures mean
+nothing). Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import benchlib  # noqa: E402
+
+# (label, prompt, words any of which a right answer names; () where there is no one answer)
+PROMPTS = (
+    ("france", "What is the capital of France?", ("Paris",)),
+    ("korea", "한국의 수도는 어디인가요?", ("서울", "Seoul")),
+    ("sleep", "Give me three tips for sleeping better.", ()),
+    ("python", "How do I reverse a list in Python?", ()),
+)
+
+
+def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int,
+               penalty: float = 1.0) -> dict:
+    """One turn in a new conversation, as ``ask --temp T --seed S`` runs it: finish, tokens,
+    loop cut, reply."""
+    from localchat.session import Notice, TurnFinished, TurnOptions
+
+    conv = session.conversation(None)
+    options = TurnOptions(max_tokens=cap, temp=temp, top_p=0.9 if temp > 0 else 1.0,
+                          seed=seed, repetition_penalty=penalty if temp > 0 else 1.0)
+    cut, done = False, None
+    for event in session.turn(conv, prompt, options):
+        if isinstance(event, Notice) and event.text.startswith("reply cut"):
+            cut = True
+        elif isinstance(event, TurnFinished):
+            done = event
+    session.delete(conv)
+    return {"finish": done.finish, "tokens": done.usage.completion_tokens, "loop_cut": cut,
+            "reply": done.reply}
+
+
+def summary(temp: float, label: str, answers: tuple[str, ...], runs: list[dict]) -> dict:
+    """One row: runs, ended on their own, loop cuts, at the cap, lengths, right answers."""
+    lengths = [r["tokens"] for r in runs]
+    right = (sum(any(a.lower() in r["reply"].lower() for a in answers) for r in runs)
+             if answers else None)
+    return {"temp": temp, "prompt": label, "runs": len(runs),
+            "ended": sum(r["finish"] == "stop" for r in runs),
+            "loop_cut": sum(r["loop_cut"] for r in runs),
+            "at_cap": sum(r["finish"] == "length" and not r["loop_cut"] for r in runs),
+            "median_tokens": statistics.median(lengths), "max_tokens": max(lengths),
+            "right": right}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    benchlib.add_flags(ap, "5 seeds per temperature and prompt")
+    ap.add_argument("--temps", default="0.2,0.7", help="temperatures, comma-separated")
+    ap.add_argument("--seeds", type=int, default=0, help="seeds per temperature and prompt")
+    ap.add_argument("--max-tokens", type=int, default=0, metavar="N", help="each reply's cap")
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, metavar="P",
+                    help="mlx-lm's repetition penalty for the sampled runs (1: off)")
+    ap.add_argument("--prompts", default="", metavar="LABEL,...",
+                    help=f"only these prompts (of {', '.join(p[0] for p in PROMPTS)})")
+    ap.add_argument("--log", default="", metavar="FILE",
+                    help="append each run (temperature, seed, prompt, finish, reply) as a JSON line")
+    args = ap.parse_args()
+    seeds = args.seeds or benchlib.pick(args, 20, 5, 2)
+    cap = args.max_tokens or benchlib.pick(args, 512, 512, 16)
+    prompts = benchlib.pick(args, PROMPTS, PROMPTS, PROMPTS[:2])
+    if args.prompts:
+        prompts = [p for p in PROMPTS if p[0] in args.prompts.split(",")]
+    temps = [float(t) for t in args.temps.split(",")]
+    benchlib.scratch_home()
+    from localchat.session import open_session
+
+    session = open_session(args.model)
+    runs: dict[tuple[float, str], list[dict]] = {}
+    log = open(args.log, "a", encoding="utf-8") if args.log else None
+    t0 = time.perf_counter()
+    # Seed by seed over every temperature and prompt, so a run stopped early is balanced.
+    plan = [(0.0, None)] + [(temp, seed) for seed in range(seeds) for temp in temps]
+    try:
+        for temp, seed in plan:
+            for label, prompt, _ in prompts:
+                r = run_prompt(session, prompt, temp, seed, cap, args.repetition_penalty)
+                runs.setdefault((temp, label), []).append(r)
+                if log:
+                    print(json.dumps({"temp": temp, "seed": seed, "prompt": label, **r},
+                                     ensure_ascii=False), file=log, flush=True)
+    finally:
+        session.close()
+        if log:
+            log.close()
+    results = [summary(temp, label, answers, runs[temp, label])
+               for temp in [0.0, *temps] for label, _, answers in prompts]
+    rows = [[r["temp"], r["prompt"], r["runs"], r["ended"], r["loop_cut"], r["at_cap"],
+             r["median_tokens"], r["max_tokens"], "-" if r["right"] is None else r["right"]]
+            for r in results]
+    totals = {}
+    for temp in temps:
+        mine = [r for r in results if r["temp"] == temp]
+        runs = sum(r["runs"] for r in mine)
+        totals[str(temp)] = {"runs": runs, "ended": sum(r["ended"] for r in mine),
+                             "loop_cut": sum(r["loop_cut"] for r in mine),
+                             "at_cap": sum(r["at_cap"] for r in mine)}
+    print(f"# {benchlib.machine()}; cap {cap} tokens, top-p 0.9, repetition penalty "
+          f"{args.repetition_penalty}, {seeds} seeds; "
+          f"{time.perf_counter() - t0:.0f} s")
+    benchlib.print_table(["temp", "prompt", "runs", "ended (EOS)", "loop cut", "at cap",
+                          "median tokens", "longest", "right"], rows)
+    for temp, t in totals.items():
+        print(f"temp {temp}: {t['ended']}/{t['runs']} ended on their own, {t['loop_cut']} loop "
+              f"cuts, {t['at_cap']} at the cap")
+    benchlib.print_json({"bench": "sampling", "mode": benchlib.mode(args),
+                         "model": args.model or "default", "machine": benchlib.machine(),
+                         "cap": cap, "seeds": seeds, "top_p": 0.9,
+                         "repetition_penalty": args.repetition_penalty, "results": results,
+                         "totals": totals})
+
+
+if __name__ == "__main__":
+    main()
