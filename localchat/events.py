@@ -26,19 +26,14 @@ class Step:
     the session (``Session.stepped``): feed ``token`` (an (n,) MLX array: one token to decode,
     or a prompt chunk) into ``cache``; the scheduler runs it in one model call with other
     turns' steps and puts the last position's ``logits`` here before the turn goes on
-    (``head`` False: a chunk whose logits no one reads). Never reaches a front end."""
+    (``head`` False: a chunk whose logits no one reads; ``rows``: the logits of every position,
+    (n, vocab) — a prompt-lookup verify pass). Never reaches a front end."""
 
     token: object
     cache: list
     logits: object = None
     head: bool = True
-
-
-@dataclass(frozen=True)
-class Pause:
-    """A yield point of a turn that runs its own forward passes while a scheduler drives the
-    session (prompt lookup of a turn running alone, ``speculative.py``): the scheduler may
-    admit other turns before it goes on. Never reaches a front end."""
+    rows: bool = False
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
              options: TurnOptions, cancel: Cancel, run: Run,
              prior: Sequence[int] = (), stepped: bool = False,
              chunk: Callable[[], int] | None = None,
-             alone: Callable[[], bool] | None = None) -> Iterator[Event]:
+             may_draft: Callable[[], bool] | None = None) -> Iterator[Event]:
     """Prefill ``new_tokens`` then decode, recording into ``run``; checks ``cancel``.
 
     ``prior``: the tokens before ``new_tokens`` that the cache holds (the conversation so far),
@@ -127,8 +127,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     the same token: rank 0's answer (Ctrl-C reaches rank 0 only; ``engine.group``).
     ``stepped``: model calls (decode steps, prompt chunks) are yielded as ``Step`` events for a
     scheduler to run together with other turns';
-    ``chunk``: the scheduler's prefill chunk size, asked before each chunk; ``alone``: whether
-    the turn runs alone under it now (it may then decode with prompt lookup).
+    ``chunk``: the scheduler's prefill chunk size, asked before each chunk; ``may_draft``:
+    whether a greedy turn may verify prompt-lookup drafts under it now.
     """
     cache = start.cache
 
@@ -178,11 +178,11 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     text = Streamed(options.stop)  # the answer, cut at a stop string
     opened = opened_in_prompt(engine, markers, new_tokens)
     thought = ReasoningStream(markers, inside=opened)
-    # Prompt lookup (``speculative.py``) or plain; under a scheduler, plain steps batched with
-    # other turns' (lookup only while the turn runs alone). Closed in ``finally`` so that a
+    # Prompt lookup (``speculative.py``) or plain; under a scheduler, verify passes and plain
+    # steps run in one model call with other turns' steps. Closed in ``finally`` so that a
     # reply cut short leaves the cache holding exactly the tokens taken, no drafts past them.
     steps = speculative.decode(engine, cache, logits, max_tokens, options,
-                               [*prior, *new_tokens], run.lookup, stepped, alone)
+                               [*prior, *new_tokens], run.lookup, stepped, may_draft)
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from .events import Notice, Pause, PrefillProgress, Step
+from .events import Notice, PrefillProgress, Step
 
 BATCH_MEMORY_ENV = "LOCALCHAT_BATCH_MEMORY"  # bytes of K/V the running turns may hold
 
@@ -225,7 +225,8 @@ def run_steps(model, steps: list[Step]) -> None:
             body(s.token[None], cache=s.cache)
             s.logits = None
         else:
-            s.logits = model(s.token[None], cache=s.cache)[:, -1, :]
+            out = model(s.token[None], cache=s.cache)
+            s.logits = out[0] if s.rows else out[:, -1, :]
         return
     install_split_attention()
     sizes = [s.token.shape[0] for s in steps]
@@ -236,7 +237,7 @@ def run_steps(model, steps: list[Step]) -> None:
     row = 0
     for s, n in zip(steps, sizes):
         row += n
-        s.logits = logits[row - 1:row]
+        s.logits = logits[row - n:row] if s.rows else logits[row - 1:row]
 
 
 def batch_refusal(engine) -> str:
@@ -380,7 +381,8 @@ def ema(old: float, new: float) -> float:
 
 
 def is_chunk(step: Step) -> bool:
-    """A prompt chunk (more than one token, or one whose logits no one reads)."""
+    """A prompt chunk or a verify pass (more than one token, or one whose logits no one
+    reads): rows beyond one decode row each, what ``Pace`` counts."""
     return step.token.shape[0] > 1 or not step.head
 
 
@@ -454,11 +456,13 @@ class Scheduler:
         s = self.session
         s.stepped = on
         s.prefill_chunk = self.pace.chunk if on else None
-        s.alone = self.alone if on else None
+        s.may_draft = self.may_draft if on else None
 
-    def alone(self) -> bool:
-        """Whether one turn runs and none waits: it may then decode with prompt lookup."""
-        return len(self.running) == 1 and not self.queued
+    def may_draft(self) -> bool:
+        """Whether a greedy turn may verify a prompt-lookup draft now: its verify pass is then
+        rows of the round's one model call (``fused``), or, for a model that cannot fuse,
+        a pass of its own — only while it runs alone and none waits."""
+        return self.fused() or (len(self.running) == 1 and not self.queued)
 
     # -- admission
 
@@ -584,8 +588,6 @@ class Scheduler:
                 ev = next(turn.events)
                 if isinstance(ev, Step):
                     turn.step = ev
-                    return
-                if isinstance(ev, Pause):  # it ran a pass of its own: others may come in
                     return
                 if isinstance(ev, Notice) and ev.waiting:
                     turn.work.emit(ev)

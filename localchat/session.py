@@ -114,7 +114,7 @@ class Session:
         # steps come out as ``Step`` events, run in a batch with other turns'.
         self.stepped = False
         self.prefill_chunk = None  # the scheduler's chunk size, while it runs (``Pace``)
-        self.alone = None  # whether a turn runs alone under it, while it runs
+        self.may_draft = None  # whether a greedy turn may draft now, while it runs
         # Prompt lookup for turns whose options leave it open (``--speculate`` of chat/serve).
         self.speculate = "lookup"
 
@@ -343,7 +343,7 @@ class Session:
             try:
                 yield from generate(self.engine, new_tokens, start, max_tokens,
                                     self._speculating(options), cancel, run, tokens[:start.pos],
-                                    self.stepped, self.prefill_chunk, self.alone)
+                                    self.stepped, self.prefill_chunk, self.may_draft)
             except RuntimeError as err:  # split: a rank went away mid-step
                 raise self.group.lost_error(err) from None
         except GeneratorExit:
@@ -455,7 +455,7 @@ class Session:
         yield from generate(self.engine, tokens[start.pos:], start, max_tokens,
                             self._speculating(options), cancel or Cancel(), run,
                             tokens[:start.pos], self.stepped, self.prefill_chunk,
-                            self.alone)
+                            self.may_draft)
         pool.put((tokens + run.generated)[: run.fed], start.cache,
                  {s.pos: s for s in run.checkpoints})
         reason = "" if start.pos else "no shared prefix"

@@ -20,7 +20,7 @@ Rejected draft tokens leave the cache as if never fed (``Mark`` / ``rewind``):
   to the same position, and the accepted tokens are fed again (one more forward pass, which is
   why drafting backs off harder after misses on such models).
 
-What it is not: a draft model, batched speculation, or anything a model split over ranks runs
+What it is not: a draft model, or anything a model split over ranks runs
 (``Engine.can_verify`` is False there and for engines that script their tokens: they decode
 plain). Turns with sampling settings other than temperature and top-p decode plain.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .events import Pause, Step
+from .events import Step
 from .kvcache import kinds as ck
 from .sampler import Sampler
 
@@ -183,6 +183,13 @@ def speculative_step(model, cache: list, pending: int, draft: Sequence[int],
 
     at = mark(cache)
     logits = model(mx.array([pending, *draft])[None], cache=cache)[0]
+    return settle(model, cache, at, pending, draft, logits, sampler)
+
+
+def settle(model, cache: list, at: Mark, pending: int, draft: Sequence[int], logits,
+           sampler: Sampler) -> Verified:
+    """After a verify pass from ``at`` (``logits``: one row per token fed), keep the agreeing
+    prefix of ``draft`` and give the rest back to the cache."""
     accepted, nxt = sampler.verify(logits, draft)
     if accepted < len(draft):
         rewind(model, cache, at, [pending, *draft[:accepted]])
@@ -202,27 +209,30 @@ def can_speculate(engine, options) -> bool:
 
 def decode(engine, cache: list, logits, max_tokens: int, options, context: Sequence[int],
            stats: LookupStats, stepped: bool = False,
-           alone: Callable[[], bool] | None = None) -> Iterator:
+           may_draft: Callable[[], bool] | None = None) -> Iterator:
     """``Engine.decode`` with prompt lookup where ``can_speculate`` says so, else plain.
 
     ``context``: the tokens the cache holds (drafts are looked up in them and in the reply).
     ``stepped``: a scheduler drives the turn (``Engine.decode``'s ``stepped``). A greedy turn
-    then still drafts while ``alone()`` says it runs alone — verifying by itself and pausing
-    (``Pause``) after each pass so that the scheduler can admit others — and otherwise yields
-    its plain steps as ``Step`` events for the batch. A sampled turn decodes plain there: its
-    draws then do not depend on what else runs.
+    then drafts while ``may_draft()`` says so: each verify pass is a ``Step`` (every row's
+    logits) that the scheduler runs in the same model call as the other turns' steps; other
+    steps are plain ``Step`` events. A sampled turn decodes plain there: its draws then do not
+    depend on what else runs.
     """
     plain = not can_speculate(engine, options) or (
-        stepped and (alone is None or options.temp != 0))
+        stepped and (may_draft is None or options.temp != 0))
     if plain:
         return engine.decode(cache, logits, max_tokens, options.temp, options.seed,
                              options.top_p, **options.sampling_extras(),
                              **({"stepped": True} if stepped else {}))
     return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
-                          alone if stepped else None)
+                          may_draft if stepped else None)
 
 
-def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, alone=None):
+def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
+                   may_draft=None):
+    """Prompt-lookup decoding; under a scheduler (``may_draft`` given) every model call is
+    yielded as a ``Step``."""
     import mlx.core as mx
 
     if max_tokens <= 0:
@@ -231,6 +241,7 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, a
     sampler = engine.sampler(options.temp, options.top_p, seed=options.seed,
                              **options.sampling_extras())
     index = NgramIndex(context)
+    stepped = may_draft is not None
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
     policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
     y = int(sampler.draw(logits).item())
@@ -241,17 +252,17 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, a
             return
         if n == max_tokens - 1:
             yield y
-            if alone is not None:
+            if stepped:
                 yield Step(mx.array([y]), cache)
             else:
                 mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
             return
         index.append(y)
         # Drafts stay before the last allowed token, which is fed only when read on.
-        want = min(policy.want(), max_tokens - 2 - n) if alone is None or alone() else 0
+        want = min(policy.want(), max_tokens - 2 - n) if not stepped or may_draft() else 0
         draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
-            if alone is not None:  # the scheduler runs it, in a batch with others' steps
+            if stepped:  # the scheduler runs it, in a batch with others' steps
                 step = Step(mx.array([y]), cache)
                 yield step
                 nxt = sampler.draw(step.logits)
@@ -262,7 +273,13 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, a
             n += 1
             y = int(nxt.item())
             continue
-        ver = speculative_step(model, cache, y, draft, sampler)
+        if stepped:  # the verify pass as rows of the scheduler's next model call
+            at = mark(cache)
+            step = Step(mx.array([y, *draft]), cache, rows=True)
+            yield step
+            ver = settle(model, cache, at, y, draft, step.logits, sampler)
+        else:
+            ver = speculative_step(model, cache, y, draft, sampler)
         stats.drafted += len(draft)
         stats.accepted += ver.accepted
         stats.steps += 1
@@ -280,5 +297,3 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats, a
             if j:
                 index.append(tok)
         y = ver.next
-        if alone is not None:
-            yield Pause()

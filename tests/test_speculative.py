@@ -351,12 +351,14 @@ def test_drafting_backs_off_after_misses_and_warms_up_while_copying():
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("gate", ["alone", "never"])
-def test_a_greedy_turn_alone_under_the_scheduler_drafts_and_gives_the_plain_reply(
+@pytest.mark.parametrize("gate", ["drafting", "never"])
+def test_greedy_turns_under_the_scheduler_verify_drafts_together_and_give_the_plain_reply(
         built, family, gate, store, monkeypatch):
-    """``serve`` and ``batch --parallel`` run turns on the scheduler: one running alone drafts
-    (its own verify passes between rounds) and gives the plain reply; the control gate (never
-    alone) decodes plain batched steps — no drafts, the same reply."""
+    """``serve`` and ``batch --parallel`` run turns on the scheduler: two greedy turns at once
+    each draft, their verify passes run as rows of the same model call as the other turn's
+    step, and each gives the plain reply; the control gate (never drafting) decodes plain
+    batched steps — no drafts, the same replies."""
+    from localchat import scheduler as sch
     from localchat.events import TurnFinished
     from localchat.scheduler import Scheduler, Work
 
@@ -368,15 +370,26 @@ def test_a_greedy_turn_alone_under_the_scheduler_drafts_and_gives_the_plain_repl
                         oracle(off.tokens, off.usage.prompt_tokens))
     sched = Scheduler(session, max_batch=4, memory=2**30)
     if gate == "never":
-        monkeypatch.setattr(sched, "alone", lambda: False)
+        monkeypatch.setattr(sched, "may_draft", lambda: False)
+    calls: list[tuple[int, bool]] = []  # (steps in the call, a verify pass among them)
+    run_steps = sch.run_steps
+
+    def recording(model, steps):
+        calls.append((len(steps), any(s.rows for s in steps)))
+        return run_steps(model, steps)
+    monkeypatch.setattr(sch, "run_steps", recording)
     got: list = []
-    conv = session.conversation(f"on-{family}-{gate}")
-    sched.run_all([Work(lambda s: s.turn(conv, COPY, TurnOptions(max_tokens=30)),
-                        lambda ev: got.append(ev))])
-    done = next(ev for ev in got if isinstance(ev, TurnFinished))
-    assert done.tokens == off.tokens
-    if gate == "alone":
-        assert done.usage.lookup_drafted > 0 and done.usage.lookup_accepted > 0
-    else:
-        assert done.usage.lookup_drafted == 0
-    assert not any(type(ev).__name__ in ("Step", "Pause") for ev in got)
+    convs = [session.conversation(f"on-{family}-{gate}-{i}") for i in range(2)]
+    sched.run_all([Work(lambda s, c=c: s.turn(c, COPY, TurnOptions(max_tokens=30)),
+                        lambda ev: got.append(ev)) for c in convs])
+    done = [ev for ev in got if isinstance(ev, TurnFinished)]
+    assert len(done) == 2 and sched.widest == 2
+    for d in done:
+        assert d.tokens == off.tokens
+        if gate == "drafting":
+            assert d.usage.lookup_drafted > 0 and d.usage.lookup_accepted > 0
+        else:
+            assert d.usage.lookup_drafted == 0
+    together = [n for n, verify in calls if verify and n >= 2]
+    assert (len(together) > 0) == (gate == "drafting"), calls
+    assert not any(type(ev).__name__ == "Step" for ev in got)
