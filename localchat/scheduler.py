@@ -272,7 +272,7 @@ def batch_refusal(engine) -> str:
 def fusion_refusal(engine) -> str:
     """Why this model's prompt chunks cannot run in the same call as other turns' decode steps
     ("" when they can): one fused call (a decode step beside a 7-token chunk) and the batched
-    step after it must match the lone model's logits (within 1e-3, as ``batch_refusal``).
+    step after it must match the lone model's logits (within 1e-3 plus 1e-4 of their scale).
     A model whose layers see across positions other than through attention (a recurrent
     state, a convolution) or place positions by their own rule fails here; its chunks then run
     as passes of their own between the batched steps."""
@@ -289,8 +289,9 @@ def fusion_refusal(engine) -> str:
 
         lone_a = [model(nxt[:, None], cache=(ca := fed(a)))[:, -1, :]]
         lone_a.append(model(nxt[:, None], cache=ca)[:, -1, :])
-        cb = engine.new_cache()
-        lone_b = [model(mx.array(b)[None], cache=cb)[:, -1, :]]
+        # (the same chunks alone: a cache that stores K/V in float16 makes a chunked prefill
+        # differ from one pass by more than the tolerance, fused or not)
+        lone_b = [model(mx.array(b[2:])[None], cache=(cb := fed(b[:2])))[:, -1, :]]
         lone_b.append(model(nxt[:, None], cache=cb)[:, -1, :])
         ca, cb = fed(a), fed(b[:2])
         got_a, got_b = [], []
@@ -301,7 +302,10 @@ def fusion_refusal(engine) -> str:
             got_b.append(steps[1].logits)
         mx.eval(lone_a, lone_b, got_a, got_b)
         for want, got in zip(lone_a + lone_b, got_a + got_b):
-            if got.shape != want.shape or not mx.allclose(got, want, atol=1e-3).item():
+            # Rounding grows with the logits' scale (~30 on the default model: 2e-3 seen on
+            # a right row); a wrong row is off by the scale itself.
+            tol = 1e-3 + 1e-4 * mx.abs(want).max().item()
+            if got.shape != want.shape or not mx.allclose(got, want, atol=tol).item():
                 return "a prompt chunk beside a decode step does not match the lone model"
     except Exception as err:  # noqa: BLE001 - any failure of the trial means "not fused"
         return f"a fused step failed ({type(err).__name__}: {str(err)[:80]})"
