@@ -270,17 +270,12 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
     ids = engine.encode(text)
     while len(ids) < max(lengths):
         ids = ids + ids
-    import mlx.core as mx
-
     # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
     run_prefill(engine, ids[:8], clock)
     run_prefill(engine, ids[:40], clock)
     best = {n: math.inf for n in lengths}
     for _ in range(repeats):  # rounds over the lengths: a busy moment spoils one run, not both
         for n in lengths:
-            # A turn's prefill in a new process (``ask``) allocates its buffers afresh; a run
-            # that reuses the last run's (MLX keeps freed buffers) measures less than it pays.
-            mx.clear_cache()
             best[n] = min(best[n], run_prefill(engine, ids[:n], clock))
     return [Sample(n, 0, best[n]) for n in lengths]
 
