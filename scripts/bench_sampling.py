@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--prompts", default="", metavar="LABEL,...",
                     help=f"only these prompts (of {', '.join(p[0] for p in PROMPTS)})")
     ap.add_argument("--log", default="", metavar="FILE",
-                    help="append each run (temperature, seed, prompt, finish, reply) as a JSON line")
+                    help="append each run (temperature, seed, prompt, finish, reply) as JSON")
     args = ap.parse_args()
     seeds = args.seeds or benchlib.pick(args, 20, 5, 2)
     cap = args.max_tokens or benchlib.pick(args, 512, 512, 16)
