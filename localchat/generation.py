@@ -146,8 +146,9 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     total = len(new_tokens)
     logits = None
     for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
-        prefill = engine.prefill(new_tokens[lo:hi], cache, stepped=stepped,
-                                 **({"chunk": chunk} if chunk else {}))
+        prefill = engine.prefill(new_tokens[lo:hi], cache,
+                                 **({"chunk": chunk} if chunk else {}),
+                                 **({"stepped": True} if stepped else {}))
         while True:
             if stop():
                 run.stopped = True

@@ -29,7 +29,7 @@ def main():
     if mode == "kill-prefill":
         real = Engine.prefill
 
-        def prefill(self, tokens, cache, chunk=512):
+        def prefill(self, tokens, cache, chunk=512, **_stepped):
             gen = real(self, tokens, cache, chunk=4)
             yield next(gen)
             die()

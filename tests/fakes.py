@@ -19,7 +19,8 @@ class ScriptedEngine(Engine):
         self.prefill_delay = 0.0  # seconds after each prefill chunk (a slow machine)
         self.sampled_with: list[dict] = []  # each decode's sampling settings
 
-    def prefill(self, tokens, cache, chunk=PREFILL_CHUNK):
+    def prefill(self, tokens, cache, chunk=PREFILL_CHUNK, **_stepped):
+        # (under a scheduler it runs its chunks itself, as its decode does)
         steps = super().prefill(tokens, cache, chunk)
         while True:
             try:
