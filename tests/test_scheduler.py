@@ -134,9 +134,9 @@ def test_a_batched_step_gives_each_row_its_own_logits(family, name):
     row's logits are its lone steps' (to batched rounding), and its cache the lone cache."""
     import mlx.core as mx
 
+    from localchat.batchstep import batch_refusal, run_steps
     from localchat.events import Step
     from localchat.kvcache import kinds as ck
-    from localchat.scheduler import batch_refusal, run_steps
 
     engine = family(name)
     assert batch_refusal(engine) == ""
@@ -170,9 +170,9 @@ def test_a_prompt_chunk_beside_decode_steps_gives_each_its_lone_result(family, n
     are not those of its last token fed without the rest of the chunk, nor another row's."""
     import mlx.core as mx
 
+    from localchat.batchstep import fusion_refusal, run_steps
     from localchat.events import Step
     from localchat.kvcache import kinds as ck
-    from localchat.scheduler import fusion_refusal, run_steps
 
     engine = family(name)
     assert fusion_refusal(engine) == ""
@@ -205,14 +205,14 @@ def test_a_prompt_chunk_beside_decode_steps_gives_each_its_lone_result(family, n
 
 @pytest.mark.parametrize("name", UNFUSED)
 def test_a_recurrent_model_runs_its_prompt_chunks_as_passes_of_their_own(family, name):
-    from localchat.scheduler import fusion_refusal
+    from localchat.batchstep import fusion_refusal
 
     assert fusion_refusal(family(name)).startswith("a fused step failed")
 
 
 @pytest.mark.parametrize("name", ALONE)
 def test_a_model_whose_batched_step_fails_runs_alone(family, name):
-    from localchat.scheduler import batch_refusal
+    from localchat.batchstep import batch_refusal
 
     assert batch_refusal(family(name)).startswith("a batched step")
 
