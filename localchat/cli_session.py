@@ -96,7 +96,7 @@ def session_for(model: str | None, args=None):
     With --hosts, the model is split over the hosts (``start_cluster``)."""
     group = start_cluster(args, model)
     if group is None:
-        from .engine import preload
+        from .loading import preload
 
         preload(model)  # the CPU weights are read while the session's modules import
     from .session import open_session

@@ -13,52 +13,24 @@ when the caller reads on after it.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 from .cpu import attention, backend
-from .errors import BadInput, LocalchatError, ModelBroken
+from .errors import BadInput, ModelBroken
 from .events import Step
 from .kvcache import kinds as ck
 from .kvcache.folder import Layout, common_prefix
-from .models import ModelRef, local_ref, model_digest, resolve
-from .paths import cpu_weights_dir
+from .loading import before_the_first_turn, cpu_weights_path, quiet_transformers
+from .modelinfo import ModelInfo
+from .models import ModelRef, model_digest, resolve
 
 PREFILL_CHUNK = 512
 ONE_PASS = 32  # prefills up to this long run the whole model once (see ``Engine.prefill``)
 SHORT_PROMPT = 128  # a scheduler's small chunks are for longer prompts: a short one is one
 #                     chunk (splitting it costs a weight read per piece, and it delays the
 #                     others once, not for long)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the KV cache of a model costs; shown by ``localchat inspect`` and the status bar.
-
-    Read from the real cache objects (``kvcache/kinds.py``). ``kv_heads`` and ``head_dim`` are
-    those of the first growing layer (for MLA: one latent "head" of the latent width).
-    """
-
-    name: str
-    path: str
-    model_digest: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    kv_dtype: str
-    kv_bytes_per_token: int  # growing layers only: what each token adds on disk
-    state_bytes: int  # bounded layers: the size of one checkpoint, whatever the history
-    layer_mix: str  # e.g. "26 layers: 22 sliding (window 512), 4 global"
-    context_length: int
-    cut_anywhere: bool  # growing layers only: the cache can be cut at any position
-    unknown: tuple[str, ...]  # cache classes localchat does not know: no disk cache
-    thinking_switch: bool = False  # the chat template turns a reasoning model's thinking off
-    tokenizer: str = ""  # the tokenizer's path: "tokenizers + jinja2 (…)" or "transformers (…)"
 
 
 class Engine:
@@ -97,7 +69,7 @@ class Engine:
         backend.prepare()  # before anything imports mlx.core
         ref = resolve(name, progress=progress)
         digest = model_digest(ref.path)
-        weights_cache = _cpu_weights(digest)
+        weights_cache = cpu_weights_path(digest)
         split = group is not None and group.size > 1
         # The CPU weights are read on a thread (made from this digest; ``preload`` may have
         # started it already) while the tokenizer and the model's modules are built.
@@ -116,7 +88,7 @@ class Engine:
             # across threads); the quantized tensors are mapped lazily, never read.
             built = Unquantized.build(ref.path) if fetched is not None else None
             if fetched is not None:
-                _before_the_first_turn(tokenizer)  # (the thread is still reading)
+                before_the_first_turn(tokenizer)  # (the thread is still reading)
                 fetched.join()
             if built is not None:
                 left = backend.tune_built(built, fetched)
@@ -128,7 +100,7 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - mlx-lm raises many kinds; one line for users
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ModelBroken(f"cannot load model {ref.name}: {reason}") from None
-        _quiet_transformers()  # again: loading can reset transformers' logging level
+        quiet_transformers()  # again: loading can reset transformers' logging level
         engine = cls(model, tokenizer, ref, config)
         engine.tokenizer_plan = plan.describe()
         slow = backend.blas_notice()
@@ -487,50 +459,6 @@ class Engine:
             y = sampler.draw(logits)
             mx.async_eval(y)
             yield tok
-
-
-def _before_the_first_turn(tokenizer) -> None:
-    """What the first turn would do first and needs no model: numpy imported (the cache's
-    loading and the CPU attention use it; ~0.1 s of imports) and the chat template compiled."""
-    import numpy  # noqa: F401
-
-    if (compile_template := getattr(tokenizer, "compile_template", None)) is not None:
-        compile_template()
-
-
-def _cpu_weights(digest: str) -> Path:
-    """Where the CPU path keeps the float32 copy of a model's quantized layers."""
-    return cpu_weights_dir() / f"{digest[:32]}.safetensors"
-
-
-def preload(name: str | None) -> None:
-    """Start reading the CPU weights of the model ``name`` names, for the ``Engine.load(name)``
-    to come (``backend.prefetch_early``): the front ends call it before their own slow imports,
-    so that the ~0.5 GB read overlaps them. Only a model already here (``models.local_ref``);
-    nothing is reported: ``Engine.load`` meets any problem again and says it."""
-    ref = local_ref(name)
-    if ref is None:
-        return
-    backend.prepare()
-    try:
-        digest = model_digest(ref.path)
-    except (LocalchatError, OSError):
-        return
-    backend.prefetch_early(_cpu_weights(digest), digest)
-
-
-def _quiet_transformers() -> None:
-    """Users cannot act on transformers' warnings (e.g. "sequence length is longer than the
-    specified maximum" — we check the context ourselves), so keep them off the screen.
-    Only where the tokenizer loaded transformers: importing it costs a second."""
-    if "transformers" not in sys.modules:
-        return
-    try:
-        from transformers.utils import logging
-
-        logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def make_prompt_cache(model) -> list:

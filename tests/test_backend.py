@@ -218,11 +218,11 @@ def test_float32_weights_that_do_not_fit_the_model_are_rebuilt_with_a_notice(hom
 @pytest.mark.cpu_only
 def test_preload_starts_the_read_that_the_load_takes_over(home, quantized_model, tiny_model,
                                                           monkeypatch):
-    """``engine.preload`` (what ``ask`` calls before its imports) starts reading the CPU
+    """``loading.preload`` (what ``ask`` calls before its imports) starts reading the CPU
     weights; the load of that model takes that read over instead of starting another
     (control: a load with no preload starts one). A preload for a model that is then not
     loaded is dropped, and a name that is not here yet starts nothing."""
-    from localchat.engine import preload
+    from localchat.loading import preload
 
     x = mx.array([[5, 17, 42, 99, 7]])
     expected = Engine.load(str(quantized_model)).model(x)  # makes the CPU weights

@@ -247,7 +247,7 @@ def prefetch(weights_cache: Path, source: str) -> Prefetch | None:
 
 
 def prefetch_early(weights_cache: Path, source: str) -> None:
-    """``prefetch`` now, for the load to come (``engine.preload``): the first ``prefetch`` of
+    """``prefetch`` now, for the load to come (``loading.preload``): the first ``prefetch`` of
     the same file takes it over."""
     global _early
     _early = prefetch(weights_cache, source)
