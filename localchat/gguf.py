@@ -197,7 +197,7 @@ def write_sampling_advice(folder: Path) -> bool:
     try:
         mark = json.loads(path.read_text(encoding="utf-8")).get(WRITTEN)
         version = mark.get("version") if isinstance(mark, dict) else None
-        if not isinstance(version, int) or version >= SAMPLING_VERSION:
+        if type(version) is not int or version >= SAMPLING_VERSION:  # (a bool is no version)
             return False  # not ours (a user's file stands), or ours and current
     except FileNotFoundError:
         pass

@@ -9,6 +9,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from localchat.engine import Engine
 from localchat.sampling import LOCALCHAT, MODEL, OURS, REPLY_CAP, model_defaults
@@ -234,3 +236,45 @@ def test_inspect_names_the_default_models_advice(tiny_model, home):
     assert defaults["temperature"] == {"value": 0.2,
                                        "source": f"{MODEL}: {gguf.SAMPLING_SOURCE}"}
     assert defaults["min_p"]["source"] == OURS
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(mark=_json, extra=st.dictionaries(st.sampled_from(["temperature", "top_p", "x"]),
+                                          _json, max_size=2),
+       raw=st.one_of(st.none(), st.binary(max_size=40)))
+@example(mark={"version": False}, extra={}, raw=None)
+@example(mark={"version": 0}, extra={"temperature": "hot"}, raw=None)
+@example(mark=None, extra={}, raw=b"[1, 2]")
+def test_any_generation_config_is_judged_without_an_exception(tmp_path, mark, extra, raw):
+    """The file read back for the sampling advice and the digest holds anything: JSON of every
+    type under our key, beside other fields, or bytes that are not JSON. Writing the advice
+    answers a bool (and writes only over our own older version); the digest's check answers a
+    bool; a file the advice replaced is then ours, current, and left out of the digest."""
+    from localchat import gguf, models
+    from localchat.sampling import WRITTEN
+
+    path = tmp_path / "generation_config.json"
+    if raw is not None:
+        path.write_bytes(raw)
+    else:
+        path.write_text(json.dumps({**extra, WRITTEN: mark}))
+    before = path.read_bytes()
+    ours_before = models._sampling_only(path)
+    assert isinstance(ours_before, bool)
+    older = (raw is None and isinstance(mark, dict) and type(mark.get("version")) is int
+             and mark["version"] < gguf.SAMPLING_VERSION)
+    wrote = gguf.write_sampling_advice(tmp_path)
+    assert wrote == older
+    if wrote:
+        assert models._sampling_only(path)
+        assert json.loads(path.read_text())[WRITTEN]["version"] == gguf.SAMPLING_VERSION
+    else:
+        assert path.read_bytes() == before  # a file not ours (or current) stands
