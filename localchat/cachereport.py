@@ -210,6 +210,9 @@ def as_lines(r: CacheReport) -> list[str]:
     if m:
         out.append(f"prefill model       {m.fixed_s * 1e3:.1f} ms + {m.per_token_s * 1e3:.2f} "
                    f"ms/token + {m.attention_s * 1e6:.3f} µs/token/position attended")
+        if m.points:
+            out.append(f"                    (a full prefill read off {len(m.points)} measured "
+                       f"lengths, {m.points[0][0]}-{m.points[-1][0]} tokens)")
         out.append(f"time saved          ~{r.turns[-1].saved_s if r.turns else 0:.2f} s last "
                    f"turn, ~{r.saved_s:.2f} s in this conversation (estimated)")
     return out

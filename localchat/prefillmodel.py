@@ -20,7 +20,11 @@ Where the samples come from, in order:
    of what the conversation's turns took beyond their calibrated prefill (a turn's own
    work: its lock, rendering, reading the cache), so it estimates a turn's TTFT. A
    calibration the turns outrun was made on a busy machine: it is measured again and the
-   faster run of each length kept, so it converges on the machine's speed.
+   faster run of each length kept, so it converges on the machine's speed. Within the
+   calibrated lengths a full prefill is read off the measured points (interpolated): the
+   cost per token falls with the length at these sizes, which a line cannot follow (it put
+   a 60-token prefill ~20% low); the fitted terms carry it beyond them and give the
+   attention term for tokens fed after cached ones.
 
 Samples from a busy machine are discarded as outliers (slower than the fit by more than
 ``OUTLIER``): a machine is never faster than it can be, only slower. Every figure made from
@@ -32,6 +36,7 @@ measured full prefills).
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
@@ -48,9 +53,13 @@ MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says
 MIN_SAMPLES = 3  # three terms need three lengths
 MIN_SPREAD = 2.0  # longest / shortest sample: closer lengths cannot part fixed from per-token
 OUTLIER = 0.25  # a sample this much slower than the fit (relative) is a busy machine's
-CALIBRATION = (16, 64, 160, 320)  # a few hundred tokens: seconds on a small model
+# A few hundred tokens (seconds on a small model), densest where turns are: the cost per token
+# is not constant at these lengths (on the default model here ~4.6 ms/token between 16 and 64
+# tokens, ~3 between 64 and 160), so a calibration's full prefill is read off its measured
+# points, not off the fitted line (``PrefillModel.points``).
+CALIBRATION = (16, 32, 48, 64, 96, 128, 192, 320)
 REPEATS = 2  # each length is measured this many times; the fastest counts
-SCHEMA = 1
+SCHEMA = 2  # 2: eight lengths (1 had four: measured again)
 
 
 @dataclass(frozen=True)
@@ -74,13 +83,35 @@ class PrefillModel:
     samples: int
     discarded: int = 0
     overhead_s: float = 0.0  # of ``fixed_s``: a turn's own work beyond a calibrated prefill
+    # A calibration's measured full prefills, (tokens, seconds) by length, never falling:
+    # between them the cost is interpolated, beyond them the fitted terms carry it on.
+    points: tuple[tuple[int, float], ...] = ()
 
     def cost(self, tokens: int, start: int = 0) -> float:
         """Estimated seconds to feed ``tokens`` after ``start`` cached ones (0 for none)."""
         if tokens <= 0:
             return 0.0
-        return (self.fixed_s + self.per_token_s * tokens
-                + self.attention_s * tokens * (start + tokens / 2))
+        if not self.points:
+            return (self.fixed_s + self.per_token_s * tokens
+                    + self.attention_s * tokens * (start + tokens / 2))
+        return self.overhead_s + self._curve(tokens) + self.attention_s * tokens * start
+
+    def _line(self, tokens: int) -> float:
+        """The fitted full prefill, without a turn's overhead."""
+        return (self.fixed_s - self.overhead_s + self.per_token_s * tokens
+                + self.attention_s * tokens * tokens / 2)
+
+    def _curve(self, n: int) -> float:
+        """A full prefill of ``n`` tokens off the measured points: interpolated between two,
+        outside them the nearest one moved along the fitted line."""
+        pts = self.points
+        if n <= pts[0][0]:
+            return max(0.0, pts[0][1] - (self._line(pts[0][0]) - self._line(n)))
+        if n >= pts[-1][0]:
+            return pts[-1][1] + self._line(n) - self._line(pts[-1][0])
+        i = bisect.bisect_left(pts, (n, -math.inf))
+        (n0, s0), (n1, s1) = pts[i - 1], pts[i]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
     def full(self, tokens: int) -> float:
         """Estimated seconds of a full prefill of ``tokens`` (no cache)."""
@@ -123,7 +154,25 @@ def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
         worst = max(slow, key=lambda s: s.seconds / _predict(coef, s))
         kept = [s for s in kept if s is not worst]
         dropped += 1
-    return PrefillModel(*coef, source=source, samples=len(kept), discarded=dropped)
+    return PrefillModel(*coef, source=source, samples=len(kept), discarded=dropped,
+                        points=_points(kept) if source == "calibration" else ())
+
+
+def _points(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
+    """The full prefills among ``samples``, the fastest of each length, as a curve that never
+    falls (a point above a longer one's time is lowered to it: noise, not physics)."""
+    best: dict[int, float] = {}
+    for s in samples:
+        if s.start == 0:
+            best[s.tokens] = min(best.get(s.tokens, math.inf), s.seconds)
+    if len(best) < 2:
+        return ()
+    pts = sorted(best.items())
+    low = math.inf
+    for i in range(len(pts) - 1, -1, -1):
+        low = min(low, pts[i][1])
+        pts[i] = (pts[i][0], low)
+    return tuple(pts)
 
 
 def spread_enough(samples: Sequence[Sample]) -> bool:

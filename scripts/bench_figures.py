@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
+from localchat.prefillmodel import PrefillModel  # noqa: E402 (no MLX: the estimate's formula)
+
 PROMPTS = ("What is the capital of France?", "And of Germany?", "And of Italy?")
 
 
@@ -77,8 +79,8 @@ def main() -> None:
         f"item {k}" for k in range(long_words))
     lu = ask(model, "long", long_prompt, "--no-cache")
     m = found["prefill_model"]
-    est_long = (m["fixed_s"] + m["per_token_s"] * lu["prompt_tokens"]
-                + m["attention_s"] * lu["prompt_tokens"] ** 2 / 2) if m else 0.0
+    est_long = PrefillModel(**{**m, "points": tuple(map(tuple, m["points"]))}).full(
+        lu["prompt_tokens"]) if m else 0.0
     print(f"prefill model: {m['source'] if m else 'none'}; machine: {benchlib.machine()}")
     benchlib.print_table(["turn", "prompt", "cached", "TTFT s", "full TTFT s (measured)",
                           "full s (est.)", "saved s (est.)", "saved s (measured)", "ratio"],
