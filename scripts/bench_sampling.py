@@ -14,7 +14,8 @@ Korea → 서울/Seoul).
 Usage: python scripts/bench_sampling.py [--quick | --smoke] [-m MODEL]
        [--temps 0.2,0.7] [--seeds N] [--max-tokens N] [--prompts LABEL,...] [--log FILE]
        [--repetition-penalty P]
-Full: 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5 seeds; ``--smoke``:
+Full: the first four prompts (``--prompts`` names any, e.g. the three that repeat by nature:
+count,days,hello), 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5 seeds; ``--smoke``:
 2 seeds, 2 prompts, 16 tokens, for a tiny model (``tests/test_scripts.py``; figures mean
 nothing). Prints a table, then one JSON line.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -32,12 +34,41 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
-# (label, prompt, words any of which a right answer names; () where there is no one answer)
+DAYS = ("Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday")
+
+
+def names_any(*words: str):
+    return lambda reply: any(w.lower() in reply.lower() for w in words)
+
+
+def counts_to(n: int):
+    """1, 2, ..., n in that order (what a repetition penalty could break: digits and commas
+    recur in every item)."""
+    def check(reply: str) -> bool:
+        found = [int(x) for x in re.findall(r"\d+", reply)]
+        said = [x for i, x in enumerate(found) if not i or x != found[i - 1]]  # "1. 1" is 1
+        return said[:n] == list(range(1, n + 1))
+    return check
+
+
+def names_all(*words: str):
+    return lambda reply: all(w.lower() in reply.lower() for w in words)
+
+
+def repeats(word: str, times: int):
+    return lambda reply: reply.lower().count(word) >= times
+
+
+# (label, prompt, what a right reply does; None where there is no one answer). The last three
+# repeat by nature: a reply that must say the same tokens again is where a penalty would hurt.
 PROMPTS = (
-    ("france", "What is the capital of France?", ("Paris",)),
-    ("korea", "한국의 수도는 어디인가요?", ("서울", "Seoul")),
-    ("sleep", "Give me three tips for sleeping better.", ()),
-    ("python", "How do I reverse a list in Python?", ()),
+    ("france", "What is the capital of France?", names_any("Paris")),
+    ("korea", "한국의 수도는 어디인가요?", names_any("서울", "Seoul")),
+    ("sleep", "Give me three tips for sleeping better.", None),
+    ("python", "How do I reverse a list in Python?", None),
+    ("count", "Count from 1 to 20, separated by commas.", counts_to(20)),
+    ("days", "List the seven days of the week, one per line.", names_all(*DAYS)),
+    ("hello", "Write the word hello five times.", repeats("hello", 5)),
 )
 
 
@@ -61,11 +92,10 @@ def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int,
             "reply": done.reply}
 
 
-def summary(temp: float, label: str, answers: tuple[str, ...], runs: list[dict]) -> dict:
+def summary(temp: float, label: str, right_reply, runs: list[dict]) -> dict:
     """One row: runs, ended on their own, loop cuts, at the cap, lengths, right answers."""
     lengths = [r["tokens"] for r in runs]
-    right = (sum(any(a.lower() in r["reply"].lower() for a in answers) for r in runs)
-             if answers else None)
+    right = sum(bool(right_reply(r["reply"])) for r in runs) if right_reply else None
     return {"temp": temp, "prompt": label, "runs": len(runs),
             "ended": sum(r["finish"] == "stop" for r in runs),
             "loop_cut": sum(r["loop_cut"] for r in runs),
@@ -89,7 +119,7 @@ def main() -> None:
     args = ap.parse_args()
     seeds = args.seeds or benchlib.pick(args, 20, 5, 2)
     cap = args.max_tokens or benchlib.pick(args, 512, 512, 16)
-    prompts = benchlib.pick(args, PROMPTS, PROMPTS, PROMPTS[:2])
+    prompts = benchlib.pick(args, PROMPTS[:4], PROMPTS[:4], PROMPTS[:2])
     if args.prompts:
         prompts = [p for p in PROMPTS if p[0] in args.prompts.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
