@@ -16,8 +16,8 @@ Usage: python scripts/bench_sampling.py [--quick | --smoke] [-m MODEL]
        [--repetition-penalty P]
 Full: the first four prompts (``--prompts`` names any, e.g. the three that repeat by nature:
 count,days,hello), 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5
-seeds; ``--smoke``: 2 seeds, 2 prompts, 16 tokens, for a tiny model (``tests/test_scripts.py``; figures mean
-nothing). Prints a table, then one JSON line.
+seeds; ``--smoke``: 2 seeds, 2 prompts, 16 tokens, for a tiny model
+(``tests/test_scripts.py``; figures mean nothing). Prints a table, then one JSON line.
 """
 
 from __future__ import annotations
