@@ -14,7 +14,12 @@ beside decode rows. What it is not: the scheduling (``scheduler.py``).
 
 from __future__ import annotations
 
+import functools
+import itertools
+import weakref
+
 from .events import Step
+from .kvcache import kinds as ck
 
 # -- one batched step ---------------------------------------------------------------------------
 
@@ -35,15 +40,16 @@ class SplitMask:
         self.parts = parts
 
 
-def split_layer(caches: list, sizes: list[int]):
+def split_layer(caches: list, sizes: list[int], offsets: dict | None = None):
     """One layer's caches of several turns as one batch cache: ``SplitArrays`` for recurrent
-    state (``ArraysCache``), else ``SplitCache``. ``sizes``: the rows each turn feeds."""
+    state (``ArraysCache``), else ``SplitCache``. ``sizes``: the rows each turn feeds;
+    ``offsets``: the call's row positions made so far, shared by its layers."""
     if hasattr(caches[0], "cache") and hasattr(caches[0], "advance") and \
             not hasattr(caches[0], "offset"):
         if any(n != 1 for n in sizes):  # a recurrence runs along its sequence, not across rows
             raise ValueError("a recurrent state cannot take a prompt chunk beside steps")
         return SplitArrays(caches)
-    return SplitCache(caches, sizes)
+    return SplitCache(caches, sizes, offsets)
 
 
 class SplitArrays:
@@ -92,12 +98,13 @@ class SplitCache:
     queries attend as one causal block (``install_split_attention``), so the chunk costs its
     tokens' compute inside the same pass, not a pass of its own (issue 32)."""
 
-    def __init__(self, caches: list, sizes: list[int]):
+    def __init__(self, caches: list, sizes: list[int], offsets: dict | None = None):
         self.caches = caches
         self.sizes = sizes
+        self._offsets = {} if offsets is None else offsets
 
     def __getitem__(self, i: int):  # a CacheList's parts
-        return split_layer([c[i] for c in self.caches], self.sizes)
+        return split_layer([c[i] for c in self.caches], self.sizes, self._offsets)
 
     @property
     def keys(self):
@@ -113,20 +120,34 @@ class SplitCache:
     def offset(self):
         import mlx.core as mx
 
-        return mx.array([c.offset + j for c, n in zip(self.caches, self.sizes)
-                         for j in range(n)])
+        # Every layer of a call usually asks the same: made once per call (``offsets``).
+        at = tuple(c.offset for c in self.caches)
+        if at not in self._offsets:
+            self._offsets[at] = mx.array([o + j for o, n in zip(at, self.sizes)
+                                          for j in range(n)])
+        return self._offsets[at]
 
     def update_and_fetch(self, keys, values):
+        import mlx.core as mx
+
+        updates = [c.update_and_fetch for c in self.caches]
+        bases = [ck.half_base(c) for c in self.caches]
+        if all(b is not None for b in bases):
+            # Rounded to float16 once for every row (what each half-stored cache would do to
+            # its own rows: the same values), then appended as they are.
+            keys = keys.astype(mx.float16).astype(keys.dtype)
+            values = values.astype(mx.float16).astype(values.dtype)
+            updates = [functools.partial(b.update_and_fetch, c)
+                       for b, c in zip(bases, self.caches)]
+        cuts = list(itertools.accumulate(self.sizes[:-1]))
         ks, vs = [], []
-        row = 0
-        for c, n in zip(self.caches, self.sizes):
-            k, v = keys[row:row + n], values[row:row + n]
+        for update, k, v, n in zip(updates, mx.split(keys, cuts), mx.split(values, cuts),
+                                   self.sizes):
             if n > 1:  # (n, heads, 1, dim) rows -> one (1, heads, n, dim) sequence
                 k, v = k.swapaxes(0, 2), v.swapaxes(0, 2)
-            k, v = c.update_and_fetch(k, v)
+            k, v = update(k, v)
             ks.append(k)
             vs.append(v)
-            row += n
         return SplitKV(ks, self.sizes), SplitKV(vs, self.sizes)
 
     def make_mask(self, n: int, **kw):
@@ -160,15 +181,13 @@ def install_split_attention() -> None:
         if not isinstance(keys, SplitKV):
             return inner(queries, keys, values, *args, mask=mask, **kw)
         rows = []
-        row = 0
-        for i, (k, v, n) in enumerate(zip(keys.parts, values.parts, keys.sizes)):
+        qs = mx.split(queries, list(itertools.accumulate(keys.sizes[:-1])))
+        for i, (q, k, v, n) in enumerate(zip(qs, keys.parts, values.parts, keys.sizes)):
             m = mask.parts[i] if isinstance(mask, SplitMask) else mask
-            q = queries[row:row + n]
             if n > 1:  # a prompt chunk: its rows attend as one causal sequence
                 rows.append(inner(q.swapaxes(0, 2), k, v, *args, mask=m, **kw).swapaxes(0, 2))
             else:
                 rows.append(inner(q, k, v, *args, mask=m, **kw))
-            row += n
         return mx.concatenate(rows, axis=0)
 
     attention.split_rows = True
@@ -195,7 +214,8 @@ def run_steps(model, steps: list[Step]) -> None:
     install_split_attention()
     sizes = [s.token.shape[0] for s in steps]
     tokens = mx.concatenate([s.token for s in steps])[:, None]
-    split = [split_layer([s.cache[i] for s in steps], sizes)
+    offsets: dict = {}
+    split = [split_layer([s.cache[i] for s in steps], sizes, offsets)
              for i in range(len(steps[0].cache))]
     logits = model(tokens, cache=split)[:, -1, :]
     row = 0
@@ -204,6 +224,28 @@ def run_steps(model, steps: list[Step]) -> None:
         s.logits = logits[row - n:row] if s.rows else logits[row - 1:row]
 
 
+def remembered(trial):
+    """A trial run once per engine (its model does not change): every scheduler of a
+    ``batch --parallel`` run (one per group) and of a server asks the same engine."""
+    verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(trial)
+    def once(engine) -> str:
+        try:
+            return verdicts[engine]
+        except (KeyError, TypeError):  # (TypeError: an engine no weak reference can name)
+            pass
+        verdict = trial(engine)
+        try:
+            verdicts[engine] = verdict
+        except TypeError:
+            pass
+        return verdict
+
+    return once
+
+
+@remembered
 def batch_refusal(engine) -> str:
     """Why this model's turns cannot be batched ("" when they can): a cache kind that does
     not split by row, or one batched step of two short sequences that does not match their
@@ -233,6 +275,7 @@ def batch_refusal(engine) -> str:
     return ""
 
 
+@remembered
 def fusion_refusal(engine) -> str:
     """Why this model's prompt chunks cannot run in the same call as other turns' decode steps
     ("" when they can): one fused call (a decode step beside a 7-token chunk) and the batched

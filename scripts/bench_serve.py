@@ -14,7 +14,9 @@ empty store, through the server and through ``localchat ask``. mlx_lm.server run
 copy of a quantized model (``mlx_lm convert -d``), as localchat's CPU path does.
 
 Then many clients at once (issue 32): aggregate decode tok/s of 1/2/4/8 streaming clients at
-once against the same requests one at a time (every reply compared with its lone reply), and
+once against the same requests one at a time (each timed alone; every reply compared with its
+lone reply), for replies of a few lines (they end at different lengths) and replies that run
+to the cap (every stream decodes the whole run), and
 the inter-token gaps of three running streams while a ~LONG-token prompt arrives and is
 prefilled (median and max) against their gaps without it.
 
@@ -302,42 +304,73 @@ def many_clients(args, engine, model: str, home: Path) -> dict:
     max_tokens = args.client_tokens or benchlib.pick(args, 48, 32, 8)
     long_tokens = benchlib.pick(args, 2048, 2048, 100)
     trials = benchlib.pick(args, 2, 1, 1)
-    chats = [[{"role": "user", "content": f"Question {i}: tell me about "
-               f"{CLIENT_TOPICS[i % len(CLIENT_TOPICS)]} in a few lines."}] for i in range(8)]
+    # Two sets of requests: replies that end where the model ends them (a few lines: their
+    # lengths differ, and the longest runs alone at the end), and replies that all run to
+    # the cap (a long story: every stream decodes for the whole run, as in the issue's figure).
+    sets = {"few lines": "tell me about {} in a few lines.",
+            "to the cap": "write a long story about {}."}
+    if args.smoke:
+        sets = dict(list(sets.items())[:1])
+    chats = {name: [f"Question {i}: " + ask.format(CLIENT_TOPICS[i % len(CLIENT_TOPICS)])
+                    for i in range(8)] for name, ask in sets.items()}
     spec = ("--speculate", args.speculate) if args.speculate else ()
+    # Every (set, clients, trial) run sends requests no run before it sent (k trailing
+    # spaces): a request seen before would find its prompt cached. Each is answered alone
+    # first, on a server of its own, and timed: "one at a time" is the sum of exactly those.
+    runs = [(name, n, t) for name in sets for n in sizes for t in range(trials)]
+    texts = {(name, n, t): [c + " " * k for c in chats[name][:n]]
+             for k, (name, n, t) in enumerate(runs)}
     lone = Server("localchat", model, home / "clients-lone", "--max-batch", "1", *spec).start()
+    reference: dict = {}  # (set, n, t) -> [(reply, seconds alone)]
     try:
         lone.ask([{"role": "user", "content": "warm-up"}], 4)
-        t0 = time.perf_counter()
-        reference = [lone.ask(c, max_tokens)[0] for c in chats[:max(sizes)]]
-        one_s = (time.perf_counter() - t0) / max(sizes)  # a request alone, on average
+        for run in runs:
+            reference[run] = []
+            for text in texts[run]:
+                t0 = time.perf_counter()
+                reply = lone.ask([{"role": "user", "content": text}], max_tokens)[0]
+                reference[run].append((reply, time.perf_counter() - t0))
     finally:
         lone.stop()
-    tokens = [len(engine.encode(r)) for r in reference]  # (decoded text re-encoded: ~tokens)
-    out = {"client_max_tokens": max_tokens, "speculate": args.speculate, "clients": {}}
+    out = {"client_max_tokens": max_tokens, "speculate": args.speculate,
+           "request_sets": sets}
     server = Server("localchat", model, home / "clients", "--max-batch", "8", *spec).start()
     try:
         at_once(server, [[{"role": "user", "content": f"warm-up {i}"}] for i in range(2)], 4)
-        for n in sizes:
-            walls, equal = [], True
-            for t in range(trials):
-                # Fresh text per trial (a later trial would find the earlier one's cache).
-                batch = [[{"role": "user", "content": c[0]["content"] + " " * t}]
-                         for c in chats[:n]]
-                replies, wall = at_once(server, batch, max_tokens)
-                walls.append(wall)
-                equal = equal and (t > 0 or replies == reference[:n])
-            wall = benchlib.median(walls)
-            seq = one_s * n
-            out["clients"][str(n)] = {
-                "wall_s": round(wall, 3), "one_at_a_time_s": round(seq, 3),
-                "aggregate_tps": round(sum(tokens[:n]) / wall, 2),
-                "one_at_a_time_tps": round(sum(tokens[:n]) / seq, 2),
-                "speedup": round(seq / wall, 2), "replies_equal": equal}
-        out["gaps"] = gaps(server, engine, chats[:3], long_tokens, benchlib.pick(args, 96, 64, 12))
+        for name in sets:
+            key = "clients" if name == "few lines" else "clients_to_cap"
+            out[key] = {}
+            for n in sizes:
+                out[key][str(n)] = clients_at_once(server, engine, max_tokens, [
+                    (texts[name, n, t], reference[name, n, t]) for t in range(trials)])
+        out["gaps"] = gaps(server, engine, [[{"role": "user", "content": c}]
+                                            for c in chats["few lines"][:3]],
+                           long_tokens, benchlib.pick(args, 96, 64, 12))
     finally:
         server.stop()
     return out
+
+
+def clients_at_once(server: Server, engine, max_tokens: int, trials: list) -> dict:
+    """One row: ``trials`` of (the requests, their lone (reply, seconds)) sent at once."""
+    walls, seqs, tokens, equal, unequal = [], [], [], True, []
+    for t, (texts, alone) in enumerate(trials):
+        replies, wall = at_once(server, [[{"role": "user", "content": x}] for x in texts],
+                                max_tokens)
+        walls.append(wall)
+        seqs.append(sum(sec for _, sec in alone))
+        # (decoded text re-encoded: ~tokens)
+        tokens.append([len(engine.encode(r)) for r, _ in alone])
+        for i, (got, (want, _)) in enumerate(zip(replies, alone)):
+            if got != want:
+                equal = False
+                unequal.append({"trial": t, "request": i, "alone": want, "at_once": got})
+    wall, seq = benchlib.median(walls), benchlib.median(seqs)
+    tok = benchlib.median([sum(x) for x in tokens])
+    return {"wall_s": round(wall, 3), "one_at_a_time_s": round(seq, 3),
+            "aggregate_tps": round(tok / wall, 2), "one_at_a_time_tps": round(tok / seq, 2),
+            "speedup": round(benchlib.median([s / w for s, w in zip(seqs, walls)]), 2),
+            "reply_tokens": tokens[0], "replies_equal": equal, "unequal": unequal}
 
 
 def gaps(server: Server, engine, chats: list[list[dict]], long_tokens: int, max_tokens: int
@@ -384,11 +417,13 @@ def print_clients(args, name: str, r: dict, json_line: bool = True) -> None:
     print(f"# many clients at once · {name} · {r['client_max_tokens']} tokens each · "
           f"--speculate {args.speculate or 'as the server defaults (lookup)'} · "
           f"{benchlib.machine()}")
-    rows = [[n, f"{c['wall_s']:.2f} s", f"{c['one_at_a_time_s']:.2f} s",
-             f"{c['aggregate_tps']:.1f}", f"{c['one_at_a_time_tps']:.1f}", f"{c['speedup']:.2f}x",
-             c["replies_equal"]] for n, c in r["clients"].items()]
-    benchlib.print_table(["clients", "at once", "one at a time", "agg tok/s", "seq tok/s",
-                          "speedup", "= lone"], rows)
+    rows = [[n, name, "/".join(map(str, c["reply_tokens"])), f"{c['wall_s']:.2f} s",
+             f"{c['one_at_a_time_s']:.2f} s", f"{c['aggregate_tps']:.1f}",
+             f"{c['one_at_a_time_tps']:.1f}", f"{c['speedup']:.2f}x", c["replies_equal"]]
+            for key, name in (("clients", "few lines"), ("clients_to_cap", "to the cap"))
+            for n, c in r.get(key, {}).items()]
+    benchlib.print_table(["clients", "replies", "tokens", "at once", "one at a time",
+                          "agg tok/s", "seq tok/s", "speedup", "= lone"], rows)
     g = r["gaps"]
     print(f"# three streams' inter-token gaps: alone median {g['median_gap_s'] * 1e3:.0f} ms "
           f"(max {g['max_gap_s'] * 1e3:.0f}); while a {g['long_prompt_tokens']}-token prompt "

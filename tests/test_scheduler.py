@@ -308,3 +308,27 @@ def test_pace_sizes_a_chunk_to_a_share_of_a_decode_round():
     assert p.chunk() == PREFILL_CHUNK
     q = Pace(busy=True, step_s=0.001, token_s=0.1)
     assert q.chunk() == MIN_CHUNK
+
+
+def test_the_batching_trials_run_once_per_engine(monkeypatch):
+    """Each ``batch --parallel`` group makes a scheduler of its own: the trials (model calls,
+    ~1 s on the default model) are not run again for the same engine; another engine gets its
+    own verdict."""
+    from localchat import batchstep
+
+    calls = []
+
+    class Engine:
+        def __init__(self, verdict):
+            self.verdict = verdict
+
+    @batchstep.remembered
+    def trial(engine):
+        calls.append(engine)
+        return engine.verdict
+
+    a, b = Engine(""), Engine("a batched step failed")
+    assert [trial(a), trial(a), trial(b), trial(b), trial(a)] == ["", "", b.verdict,
+                                                                   b.verdict, ""]
+    assert calls == [a, b]
+    assert batchstep.batch_refusal.__wrapped__ is not batchstep.batch_refusal  # (wrapped)

@@ -361,6 +361,12 @@ def half_stored(cache: list) -> list:
     return cache
 
 
+def half_base(obj) -> type | None:
+    """The mlx-lm class of a cache leaf ``half_stored`` swapped (its entries are rounded to
+    float16 on entry), or None for any other object."""
+    return getattr(type(obj), "_localchat_base", None)
+
+
 @functools.cache
 def _half_class(base: type) -> type:
     """Made on first use: importing mlx at module import would load MLX before
