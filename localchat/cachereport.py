@@ -90,7 +90,9 @@ def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheRepo
         man, note = None, f"not usable ({err}): the next turn rebuilds it"
     if man is None and not note:
         note = "no cache on disk yet" if not info.unknown else "this model's cache is not kept"
-    messages = window.visible(session.conversations.history(conv), conv.window_from)
+    messages = window.visible(window.with_summary(
+        session.conversations.history(conv),
+        window.summary_in_force(conv, conv.context_overflow or window.DEFAULT)), conv.window_from)
     tokens = man.tokens if man else []
     boundaries = _boundaries(engine, messages, tokens)
     segments = [(s.start, s.end, s.nbytes) for s in man.segments] if man else []

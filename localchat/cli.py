@@ -28,6 +28,7 @@ from .cli_data import (
     cmd_rm,
     cmd_search,
     cmd_show,
+    cmd_summary,
     open_store,
 )
 from .cli_inspect import cmd_inspect
@@ -45,7 +46,7 @@ from .errors import BadInput, LocalchatError
 from .fmt import StatusLine, say, visible
 from .models import DEFAULT_MODEL
 from .server.run import cmd_serve
-from .window import POLICIES
+from .window import POLICIES, SERVE_POLICIES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave out a reasoning model's thinking")
     r = add("rm", cmd_rm)
     r.add_argument("name", metavar="NAME")
+    su = add("summary", cmd_summary)
+    su.add_argument("name", metavar="NAME")
+    su.add_argument("--set", default=None, metavar="TEXT",
+                    help="replace the summary (- reads stdin); the next turn renders it")
     f = add("fork", cmd_fork)
     f.add_argument("name", metavar="NAME")
     f.add_argument("new", metavar="NEW")
@@ -192,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests that may wait to start (more get 429)")
     sv.add_argument("--max-batch", type=int, default=None, metavar="N",
                     help="requests decoded together (default 8; 1: one at a time)")
-    sv.add_argument("--context-overflow", choices=POLICIES, default="stop",
+    sv.add_argument("--context-overflow", choices=SERVE_POLICIES, default="stop",
                     help="a request longer than the context: stop (default: 400 "
                     "context_length_exceeded, as the APIs do) or truncate (the oldest turns "
                     "are left out)")
@@ -206,7 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_overflow_flag(p) -> None:
     p.add_argument("--context-overflow", choices=POLICIES, default=None,
                    help="when the conversation fills the context: truncate (the default: the "
-                   "oldest turns leave the model's window, all stay stored) or stop; "
+                   "oldest turns leave the model's window, all stay stored), summarize (as "
+                   "truncate, and the model's summary of them stands in) or stop; "
                    "remembered by the conversation")
 
 

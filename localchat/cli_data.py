@@ -67,6 +67,8 @@ def _messages_json(store, conv, thinking: bool = True) -> dict:
              **({"partial": True} if m.partial else {})}
             for m in store.messages(conv)
         ],
+        **({"window": {"from": conv.window_from, "summary": _summary(conv)}}
+           if _summary(conv) else {}),
     }
 
 
@@ -104,7 +106,12 @@ def cmd_show(args) -> int:
     shown = visible if sys.stdout.isatty() else str
     if conv.system:
         print(f"[system] {shown(conv.system)}\n")
-    for m in store.messages(conv):
+    for i, m in enumerate(store.messages(conv)):
+        if i == conv.window_from and i:
+            print(f"── the model sees from here on: {i} earlier messages "
+                  + ("summarized ──" if _summary(conv) else "left out ──") + "\n")
+            if _summary(conv):
+                print(f"[summary] {shown(_summary(conv))}\n")
         mark = " (stopped)" if m.partial else ""
         if args.show_thinking and _thought(m):
             print(f"[{m.role} · thinking] {shown(_thought(m))}\n")
@@ -112,6 +119,41 @@ def cmd_show(args) -> int:
             print(f"[{shown(_role(m))}]{mark} {shown(m.content)}\n")
         for call in _calls(m):
             print(f"[{m.role} · tool call] {shown(call)}\n")
+    return 0
+
+
+def _summary(conv) -> str | None:
+    """The summary that stands for the messages before the window (``window.py``), if any."""
+    from .window import summary_in_force
+
+    return summary_in_force(conv, "summarize") if conv.context_overflow == "summarize" \
+        else None
+
+
+def cmd_summary(args) -> int:
+    """Print a conversation's summary (``--context-overflow summarize``: the model's summary
+    of the messages before the window), or replace it with ``--set TEXT``."""
+    from .conversations import Conversations
+
+    store = open_store()
+    conv = store.get(args.name)
+    if args.set is None:
+        text = _summary(conv)
+        if text is None:
+            raise BadInput(f"{conv.name} has no summary in force (its context has not filled "
+                           "under --context-overflow summarize)")
+        print(text)
+        return 0
+    text = (sys.stdin.read() if args.set == "-" else args.set).strip()
+    if not text:
+        raise BadInput("an empty summary: to drop it, switch the conversation to "
+                       "--context-overflow truncate")
+    if _summary(conv) is None:
+        raise BadInput(f"{conv.name} has no summary to replace (its context has not filled "
+                       "under --context-overflow summarize)")
+    with Conversations.at_home(store).lock(conv):
+        store.update(conv, summary=text)
+    print(f"summary of {conv.name} replaced; its next turn renders it", file=sys.stderr)
     return 0
 
 

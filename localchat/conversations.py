@@ -104,7 +104,8 @@ class Conversations:
             if conv.window_from and (at is None or at > conv.window_from):
                 # The fork sees the window its parent sees (the cache it links holds that
                 # window): started over, its next turn would cut again, perhaps elsewhere.
-                new = self.store.update(new, window_from=conv.window_from)
+                new = self.store.update(new, window_from=conv.window_from,
+                                        summary=conv.summary, summary_upto=conv.summary_upto)
             for m in messages[:at]:
                 self.store.add_message(new, m.role, m.content, m.partial, m.extra)
             written = 0

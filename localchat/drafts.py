@@ -139,7 +139,9 @@ class Drafts:
         prior = turns.prior(conv, False, draft=True)
         if prior.note not in ("", "new conversation"):
             return
-        messages = window.visible(self.conversations.history(conv), conv.window_from) + [
+        messages = window.visible(window.with_summary(
+            self.conversations.history(conv), window.summary_in_force(
+                conv, conv.context_overflow or window.DEFAULT)), conv.window_from) + [
             {"role": "user", "content": text}]
         tokens = engine.render(messages, prior.tokens)
         on_disk = len(prior.tokens or ())

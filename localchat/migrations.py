@@ -124,6 +124,12 @@ MIGRATIONS = [
     """
     ALTER TABLE conversations ADD COLUMN tools TEXT;
     """,
+    # ``summarize``: the summary standing for the messages before the window, and the window
+    # start it was written for.
+    """
+    ALTER TABLE conversations ADD COLUMN summary TEXT;
+    ALTER TABLE conversations ADD COLUMN summary_upto INTEGER NOT NULL DEFAULT 0;
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
 

@@ -48,6 +48,7 @@ from .kvcache.prefixes import PrefixPool
 from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
 from .replies import split_tool_calls
 from .store import Conversation, Store
+from .summary import write_summary
 from .tools.settings import ToolSettings, digest_of
 from .turncache import Prior, Start, TurnCache
 
@@ -289,6 +290,28 @@ class Session:
             lock.release()
             self._running = None
 
+    def _summarized(self, history: list[dict], conv, summary: str | None, fitted, fit):
+        """``--context-overflow summarize`` at a cut: the model's summary of what leaves the
+        window (the summary that stood for what came before, then the messages from there
+        to the new window), and the window refitted with it in the system prompt. Yields the
+        summary's progress; returns (the summary or None if the model wrote none, the fit)."""
+        body = window.split(history, 0)[1]
+        for _ in range(3):  # (a long summary may push the window on: summarized again)
+            since = conv.window_from if summary else 0
+            text = yield from write_summary(self.engine, summary,
+                                            body[since:fitted.window_from])
+            if not text:
+                break
+            try:
+                again = fit(fitted.window_from, text, "truncate")
+            except ContextFull:  # (the summary leaves no room: the cut stands without it)
+                break
+            if not again.moved:
+                return text, dataclasses.replace(again, moved=True)
+            summary, conv, fitted = text, dataclasses.replace(
+                conv, window_from=fitted.window_from), again
+        return None, dataclasses.replace(fit(fitted.window_from, None, "truncate"), moved=True)
+
     def _turn(self, conv, new: list[dict], options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
         history = self.conversations.history(conv) + list(new)
@@ -297,16 +320,29 @@ class Session:
         prior = self.cache.prior(conv, options.no_cache)
         thinking = options.thinking if options.thinking is not None else conv.thinking
         tools = list(options.tools) or None
-        fitted = window.fit(
-            lambda msgs: self.engine.render(msgs, prior.tokens, tools=tools, thinking=thinking),
-            self.engine.info().context_length, history, conv.window_from,
-            window.policy_of(options.context_overflow or conv.context_overflow),
-            options.max_tokens, self.engine.info().name)
+        policy = window.policy_of(options.context_overflow or conv.context_overflow)
+        summary = window.summary_in_force(conv, policy)
+
+        def fit(at: int, summary: str | None, how: str) -> window.Fitted:
+            return window.fit(
+                lambda msgs: self.engine.render(msgs, prior.tokens, tools=tools,
+                                                thinking=thinking),
+                self.engine.info().context_length, window.with_summary(history, summary), at,
+                how, options.max_tokens, self.engine.info().name)
+
+        fitted = fit(conv.window_from, summary, policy)
+        summarized = fitted.moved and policy == "summarize"
+        if summarized:
+            yield Notice(f"context full: summarizing {fitted.window_from} earlier messages "
+                         "for the model's window (all stay stored)")
+            summary, fitted = yield from self._summarized(history, conv, summary, fitted, fit)
+            summarized = summary is not None  # (none written: the cut stands as a truncate)
+            conv = self.store.update(conv, summary=summary, summary_upto=fitted.window_from)
         tokens, max_tokens = fitted.tokens, fitted.max_tokens
         if fitted.window_from != conv.window_from:
             conv = self.store.update(conv, window_from=fitted.window_from)
         if fitted.moved:
-            yield Notice(f"{fitted.notice()} of the model's window (all stay stored)")
+            yield Notice(f"{fitted.notice(summarized)} of the model's window (all stay stored)")
         for m in new:
             self.store.add_message(conv, m["role"], m["content"],
                                    extra={k: v for k, v in m.items()
@@ -333,7 +369,7 @@ class Session:
         parts = [note] if note else [
             edit_reason or start.changed if start.changed else "", start.fallback]
         if fitted.moved:  # what the cut left out, not the re-render it caused
-            parts = [fitted.notice(), start.fallback]
+            parts = [fitted.notice(summarized), start.fallback]
         reason = "; ".join(p for p in parts if p)
 
         run = Run()

@@ -49,6 +49,10 @@ class Conversation:
     # The tools of this conversation (``tools/settings.py``, JSON): the digest of those its
     # last turn rendered, the servers turned off, the tools allowed without asking.
     tools: str | None = None
+    # ``summarize`` (``window.py``): what the model wrote for the messages before the window,
+    # and the window start it was written for (rendered only while the window starts there).
+    summary: str | None = None
+    summary_upto: int = 0
 
     def __post_init__(self) -> None:
         if self.thinking is not None:  # (SQLite keeps it as 0 or 1)
@@ -90,7 +94,7 @@ class TurnRecord:
 
 
 CONVERSATION = ("id, name, model, system, created, updated, tokens, kv_bits, kv_group, thinking,"
-                " context_overflow, window_from, tools")
+                " context_overflow, window_from, tools, summary, summary_upto")
 
 
 class Store:
@@ -259,9 +263,9 @@ class Store:
 
     def update(self, conv: Conversation, **fields) -> Conversation:
         """Change ``name``, ``model``, ``system``, ``tokens``, the KV settings, the context
-        policy or ``tools``."""
+        policy, the window and its summary, or ``tools``."""
         allowed = {"name", "model", "system", "tokens", "kv_bits", "kv_group", "thinking",
-                   "context_overflow", "window_from", "tools"}
+                   "context_overflow", "window_from", "tools", "summary", "summary_upto"}
         assert set(fields) <= allowed, fields
         sets = ", ".join(f"{k} = ?" for k in fields)
         try:
@@ -334,10 +338,11 @@ class Store:
             self.db.execute("DELETE FROM conversations WHERE id = ?", (conv.id,))
             self.db.execute(
                 f"INSERT INTO conversations ({CONVERSATION}) VALUES "
-                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (conv.id, conv.name, conv.model, conv.system, conv.created, conv.updated,
                  conv.tokens, conv.kv_bits, conv.kv_group, conv.thinking,
-                 conv.context_overflow, conv.window_from, conv.tools))
+                 conv.context_overflow, conv.window_from, conv.tools, conv.summary,
+                 conv.summary_upto))
             self.db.executemany(
                 "INSERT INTO messages (conversation_id, seq, role, content, partial, created,"
                 " extra) VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -9,12 +9,18 @@ window plus a reply budget no longer fits the model's context, the policy decide
   to the first turn from which the rendered window is at most half the context. The turns
   after the cut render the same window plus new messages, so they append to the cache; the
   next cut comes only when the window fills the context again.
+- ``summarize``: the window moves as with ``truncate``, and the model writes a summary of
+  everything before it (the last summary and the messages leaving now, ``summary_request``),
+  which is rendered at the end of the system prompt (``with_summary``) and kept with the
+  conversation (``summary``, ``summary_upto``: the window start it stands for; shown by
+  ``show``, the app's window marker, replaced by ``localchat summary NAME --set``). The turns
+  after the cut render the same summary, so they append to the cache as after a truncate.
 - ``stop``: refuse (``ContextFull``), with the hint to fork or switch the policy.
 
 The system prompt always stays. Stored messages never change; only what is rendered does, and
 the cache after a cut is an exact cache of the new window (the turn prefills it; the prefix
 match keeps what still matches, the system prompt). What it is not: the conversation's rows
-(``store.py``) or the cache (``turncache.py``). ``summarize`` is not built yet.
+(``store.py``), the cache (``turncache.py``) or the summary's generation (``session.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +29,17 @@ from dataclasses import dataclass
 
 from .errors import BadInput, ContextFull
 
-POLICIES = ("truncate", "stop")
+POLICIES = ("truncate", "summarize", "stop")
 DEFAULT = "truncate"
+SERVE_POLICIES = ("truncate", "stop")  # (a client re-sends its history: no summary stands in)
+
+# The summary's place in the rendered conversation: at the end of the system prompt.
+SUMMARY_HEAD = "Summary of the earlier conversation (no longer shown in full):"
+SUMMARY_TOKENS = 256  # the longest summary the model writes
+# What the model is asked when it summarizes (the transcript follows as the user's message).
+SUMMARY_SYSTEM = ("You summarize conversations. Write a short summary of the conversation you "
+                  "are given: the facts, names, numbers, decisions and open questions, in the "
+                  "language the conversation is written in. Write only the summary.")
 
 
 @dataclass(frozen=True)
@@ -36,10 +51,11 @@ class Fitted:
     window_from: int  # stored messages (system aside) left out of the window
     moved: bool  # this turn moved the window (a cut: the cache is rebuilt from the cut)
 
-    def notice(self) -> str:
+    def notice(self, summarized: bool = False) -> str:
         """The miss reason of a turn that moved the window."""
         n = self.window_from
-        return f"context full: {n} earlier message{'s' if n != 1 else ''} left out"
+        return (f"context full: {n} earlier message{'s' if n != 1 else ''} "
+                + ("summarized" if summarized else "left out"))
 
 
 def policy_of(name: str | None) -> str:
@@ -49,6 +65,37 @@ def policy_of(name: str | None) -> str:
     if name not in POLICIES:
         raise BadInput(f"--context-overflow must be one of {', '.join(POLICIES)}, not {name!r}")
     return name
+
+
+def summary_in_force(conv, policy: str) -> str | None:
+    """The summary a turn of ``conv`` renders: under ``summarize``, the one made for the
+    window as it stands (a window moved since, by another policy or a fork, has none)."""
+    if policy != "summarize" or not conv.summary or not conv.window_from:
+        return None
+    return conv.summary if conv.summary_upto == conv.window_from else None
+
+
+def with_summary(history: list[dict], summary: str | None) -> list[dict]:
+    """``history`` with ``summary`` at the end of its system prompt (one made if none)."""
+    if not summary:
+        return history
+    said = f"{SUMMARY_HEAD}\n{summary}"
+    if history and history[0]["role"] == "system":
+        first = history[0].get("content") or ""
+        return [{**history[0], "content": f"{first}\n\n{said}" if first else said},
+                *history[1:]]
+    return [{"role": "system", "content": said}, *history]
+
+
+def summary_request(earlier: str | None, leaving: list[dict]) -> str:
+    """The transcript the model summarizes: the summary that stood for what came before,
+    then the messages leaving the window (tool results and calls as their text)."""
+    parts = [f"(Summary of what came before: {earlier})"] if earlier else []
+    for m in leaving:
+        text = (m.get("content") or "").strip()
+        if text:
+            parts.append(f"{m['role']}: {text}")
+    return "\n\n".join(parts)
 
 
 def reply_budget(max_tokens: int, context: int) -> int:
@@ -86,7 +133,8 @@ def fit(render, context: int, history: list[dict], window_from: int, policy: str
         context: the model's context length. name: the model's name, for messages.
         history: the whole stored conversation plus the new messages, system prompt first.
         window_from: the conversation's current window start (messages, system aside).
-        policy: ``truncate`` or ``stop``.
+        policy: ``truncate``, ``summarize`` (cut as ``truncate``: the caller writes the
+            summary) or ``stop``.
     Raises:
         ContextFull: ``stop`` and the window does not fit, or the last turn alone does not.
     """
@@ -94,9 +142,10 @@ def fit(render, context: int, history: list[dict], window_from: int, policy: str
     users = [i for i, m in enumerate(body) if m["role"] == "user"]
     tokens = render(head + body[start:])
     budget = reply_budget(max_tokens, context)
-    if len(tokens) + (budget if policy == "truncate" else 1) <= context:
+    cuts = policy != "stop"
+    if len(tokens) + (budget if cuts else 1) <= context:
         return Fitted(tokens, min(max_tokens, context - len(tokens)), start, False)
-    if policy != "truncate":
+    if not cuts:
         raise ContextFull(
             f"the conversation is {len(tokens)} tokens; {name} holds {context}: fork it, "
             "shorten the message, or switch --context-overflow to truncate")

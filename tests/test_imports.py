@@ -78,7 +78,7 @@ LAYERS = {
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
                 "localchat.drafts", "localchat.generation", "localchat.stateless",
                 "localchat.replies", "localchat.cachereport", "localchat.scheduler",
-                "localchat.batchstep",
+                "localchat.batchstep", "localchat.summary",
                 "localchat.prefillmodel", "localchat.tools", "localchat.tools.*"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli_data",
                    "localchat.cli_session", "localchat.cli_tools", "localchat.cli_inspect",

@@ -9,6 +9,7 @@ conversation operations run on the app's own database connection.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from textual import work
@@ -24,6 +25,13 @@ from ..window import DEFAULT as DEFAULT_POLICY
 from .cachescreen import CacheScreen
 from .composer import Composer
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
+
+OVERFLOW_SAID = {
+    "truncate": "when the context is full, the oldest turns leave the model's window",
+    "summarize": "when the context is full, the oldest turns leave the model's window and "
+                 "its summary of them stands in",
+    "stop": "when the context is full, a message is refused (branch or switch back)",
+}
 
 
 class Actions:
@@ -187,16 +195,17 @@ class Actions:
                         else "thinking off for this conversation")
         self.drafts.schedule()  # the next prompt renders differently
 
-    def action_toggle_overflow(self) -> None:
-        """What this conversation does when it fills the context (``window.py``)."""
+    def action_toggle_overflow(self, policy: str | None = None) -> None:
+        """What this conversation does when it fills the context (``window.py``): ``policy``,
+        or between truncate and stop."""
         if self.dialog_open or self.current is None:
             return
-        policy = "stop" if (self.current.context_overflow or DEFAULT_POLICY) == "truncate" \
-            else "truncate"
+        if policy is None:
+            policy = "stop" if (self.current.context_overflow or DEFAULT_POLICY) != "stop" \
+                else "truncate"
         self.current = self.store.update(self.current, context_overflow=policy)
-        self.notify("when the context is full, the oldest turns leave the model's window"
-                    if policy == "truncate" else
-                    "when the context is full, a message is refused (branch or switch back)")
+        self.notify(OVERFLOW_SAID[policy])
+        self.drafts.schedule()  # (a summary in force renders or not)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())
@@ -247,11 +256,14 @@ class Actions:
             "Whether a reasoning model thinks before it answers, in this conversation",
             self.action_toggle_thinking)
         policy = (self.current.context_overflow if self.current else None) or DEFAULT_POLICY
-        yield SystemCommand(
-            "Context full: " + ("stop instead" if policy == "truncate" else "truncate instead"),
-            f"Now {policy}: what this conversation does when it fills the model's context "
-            "(truncate: the oldest turns leave the window, all stay stored)",
-            self.action_toggle_overflow)
+        for other in ("stop", "truncate", "summarize"):
+            if other != policy:
+                yield SystemCommand(
+                    f"Context full: {other} instead",
+                    f"Now {policy}: what this conversation does when it fills the model's "
+                    "context (truncate: the oldest turns leave the window, all stay stored; "
+                    "summarize: and the model's summary of them stands in)",
+                    functools.partial(self.action_toggle_overflow, other))
         yield from self.tool_box.commands()
         yield SystemCommand("Cache view", "What this conversation's cache holds and what "
                             "each turn saved", self.action_cache)

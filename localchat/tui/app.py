@@ -36,7 +36,7 @@ from ..models import DEFAULT_MODEL
 from ..session import Cancel, Session, open_session
 from ..store import Conversation, Store
 from .actions import Actions
-from .chatview import ChatView
+from .chatview import ChatView, summary_of
 from .composer import Composer
 from .drafting import DraftTimer
 from .messages import (
@@ -197,13 +197,15 @@ class LocalchatApp(Actions, App):
         self.current = fresh
         if not self.busy:  # (a streaming reply is not redrawn under the user)
             self.query_one(ChatView).show(self.store.messages(fresh), keep=True,
-                                          window_from=fresh.window_from)
+                                          window_from=fresh.window_from,
+                                          summary=summary_of(fresh))
         return True
 
     def open_conversation(self, conv: Conversation) -> None:
         self.current = conv
         self.editing = False
-        self.query_one(ChatView).show(self.store.messages(conv), window_from=conv.window_from)
+        self.query_one(ChatView).show(self.store.messages(conv), window_from=conv.window_from,
+                                      summary=summary_of(conv))
         self.refresh_sidebar()
         status = self.query_one(StatusBar)
         status.show_stored(conv.tokens)
@@ -395,7 +397,8 @@ class LocalchatApp(Actions, App):
         # Show what is stored, and give an unsent message back to the composer.
         self.sync_current()
         stored = self.store.messages(self.current)
-        self.query_one(ChatView).show(stored, window_from=self.current.window_from)
+        self.query_one(ChatView).show(stored, window_from=self.current.window_from,
+                                      summary=summary_of(self.current))
         if msg.prompt and not (stored and stored[-1].role == "user"
                                and stored[-1].content == msg.prompt):
             self.query_one(Composer).text = msg.prompt

@@ -74,24 +74,36 @@ def _title(seconds: float | None, tokens: int | None) -> str:
 
 class WindowMarker(Static):
     """Where the model's window starts: the messages above stay stored, it no longer sees
-    them (the context filled; ``window.py``)."""
+    them (the context filled; ``window.py``); under ``summarize``, the summary it sees in
+    their place (``localchat summary NAME --set`` replaces it)."""
 
-    def __init__(self, left_out: int):
-        super().__init__(f"── the model sees from here on: {left_out} earlier message"
-                         f"{'s' if left_out != 1 else ''} left out of its context (kept, "
-                         "searchable) ──", markup=False, classes="window-marker")
+    def __init__(self, left_out: int, summary: str | None = None):
+        s = "s" if left_out != 1 else ""
+        text = (f"── the model sees from here on: {left_out} earlier message{s} "
+                + ("summarized (kept, searchable) ──\nsummary: " + visible(summary)
+                   if summary else "left out of its context (kept, searchable) ──"))
+        super().__init__(text, markup=False, classes="window-marker")
+
+
+def summary_of(conv) -> str | None:
+    """The summary a conversation's next turn renders (``window.summary_in_force``)."""
+    from ..window import DEFAULT, summary_in_force
+
+    return summary_in_force(conv, conv.context_overflow or DEFAULT)
 
 
 class ChatView(VerticalScroll):
     shown: tuple = ()  # what ``show`` drew last
     by_seq: dict = {}  # its message widgets by the messages' seq
 
-    def show(self, messages: list[Message], keep: bool = False, window_from: int = 0) -> None:
+    def show(self, messages: list[Message], keep: bool = False, window_from: int = 0,
+             summary: str | None = None) -> None:
         """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
         what it shows already. ``window_from``: the first message the model still sees (the
-        conversation's window, ``window.py``); a marker stands before it."""
+        conversation's window, ``window.py``); a marker stands before it, with ``summary``
+        (what stands for the messages before it) if any."""
         drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
-        drawn += (window_from,)
+        drawn += (window_from, summary)
         if keep and drawn == self.shown:
             return
         self.shown = drawn
@@ -100,7 +112,7 @@ class ChatView(VerticalScroll):
         calls: list = []  # the blocks of calls whose results come next
         for i, m in enumerate(messages):
             if i == window_from and 0 < i < len(messages):
-                self.mount(WindowMarker(window_from))
+                self.mount(WindowMarker(window_from, summary))
             if m.role == "user":
                 widget = UserMessage(m.content)
             elif m.role == "assistant":

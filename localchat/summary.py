@@ -1,0 +1,66 @@
+"""The model's summary of the messages that leave the window (``--context-overflow summarize``).
+
+What it is: ``write_summary`` — one greedy generation outside the conversation: the model is
+asked (``window.SUMMARY_SYSTEM``) to summarize a transcript of the last summary and the
+messages leaving the window (``window.summary_request``), in the conversation's language, in
+at most ``summary_tokens`` tokens, with its reasoning off where the template has the
+switch. A transcript longer than the context keeps its end (the messages just before the
+window). Its cache is thrown away: the summary enters the conversation through the rendered
+system prompt (``window.with_summary``), and the turn prefills it there.
+
+Progress: ``PrefillProgress`` of the transcript's prefill (a long one takes seconds), so the
+front ends show it as they show a prompt's. What it is not: where the window moves
+(``window.py``) or where the summary is kept (``store.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .events import PrefillProgress
+from .window import SUMMARY_SYSTEM, SUMMARY_TOKENS, summary_request
+
+
+def write_summary(engine, earlier: str | None, leaving: list[dict]) -> Iterator:
+    """Yields ``PrefillProgress``; returns the summary's text ("" if the model wrote none)."""
+    transcript = summary_request(earlier, leaving)
+    if not transcript:
+        return ""
+    context = engine.info().context_length
+    most = summary_tokens(context)
+    room = context - most - 1
+    tokens = _ask(engine, transcript)
+    if len(tokens) > room:  # keep the transcript's end: what came just before the window
+        over = len(tokens) - room
+        ids = engine.encode(transcript)
+        transcript = engine.decode_text(ids[min(len(ids), over + 16):])
+        tokens = _ask(engine, transcript)
+        if len(tokens) > room:
+            return ""
+    cache = engine.new_cache()
+    steps = engine.prefill(tokens, cache)
+    while True:
+        try:
+            done, total = next(steps)
+        except StopIteration as fin:
+            logits = fin.value
+            break
+        yield PrefillProgress(done, total)
+    out = []
+    eos = engine.eos_ids
+    for tok in engine.decode(cache, logits, most):
+        if tok in eos:
+            break
+        out.append(tok)
+    return engine.decode_text(out).strip()
+
+
+def summary_tokens(context: int) -> int:
+    """The longest summary the model writes: ``SUMMARY_TOKENS``, at most an eighth of the
+    context (it stays in every window after the cut)."""
+    return max(16, min(SUMMARY_TOKENS, context // 8))
+
+
+def _ask(engine, transcript: str) -> list[int]:
+    return engine.render([{"role": "system", "content": SUMMARY_SYSTEM},
+                          {"role": "user", "content": transcript}], thinking=False)
