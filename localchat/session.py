@@ -290,27 +290,31 @@ class Session:
             lock.release()
             self._running = None
 
-    def _summarized(self, history: list[dict], conv, summary: str | None, fitted, fit):
-        """``--context-overflow summarize`` at a cut: the model's summary of what leaves the
-        window (the summary that stood for what came before, then the messages from there
-        to the new window), and the window refitted with it in the system prompt. Yields the
-        summary's progress; returns (the summary or None if the model wrote none, the fit)."""
+    def _summarized(self, history: list[dict], conv, summary: str | None, fitted, fit,
+                    stopped):
+        """``--context-overflow summarize``: the model's summary of what is before the window
+        ``fitted`` starts (the summary that stood for what came before, then the messages
+        from there to the window), and the window refitted with it in the system prompt.
+        Yields the summary's progress; returns (the summary, or None if the model wrote
+        none or the turn was stopped: the window then renders none; the fit)."""
         body = window.split(history, 0)[1]
+        moved = fitted.moved
         for _ in range(3):  # (a long summary may push the window on: summarized again)
             since = conv.window_from if summary else 0
             text = yield from write_summary(self.engine, summary,
-                                            body[since:fitted.window_from])
+                                            body[since:fitted.window_from], stopped)
             if not text:
                 break
             try:
                 again = fit(fitted.window_from, text, "truncate")
-            except ContextFull:  # (the summary leaves no room: the cut stands without it)
+            except ContextFull:  # (the summary leaves no room: the window goes without it)
                 break
             if not again.moved:
-                return text, dataclasses.replace(again, moved=True)
-            summary, conv, fitted = text, dataclasses.replace(
-                conv, window_from=fitted.window_from), again
-        return None, dataclasses.replace(fit(fitted.window_from, None, "truncate"), moved=True)
+                return text, dataclasses.replace(again, moved=moved)
+            summary, conv, fitted, moved = text, dataclasses.replace(
+                conv, window_from=fitted.window_from), again, True
+        return None, dataclasses.replace(fit(fitted.window_from, None, "truncate"),
+                                         moved=moved)
 
     def _turn(self, conv, new: list[dict], options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
@@ -331,13 +335,19 @@ class Session:
                 how, options.max_tokens, self.engine.info().name)
 
         fitted = fit(conv.window_from, summary, policy)
-        summarized = fitted.moved and policy == "summarize"
+        # A cut writes the summary; so does the first turn of a window none was written for
+        # (the policy switched to summarize after a cut, or the user stopped the last one).
+        summarized = policy == "summarize" and (fitted.moved or (
+            fitted.window_from > 0 and conv.summary_upto != fitted.window_from))
         if summarized:
             yield Notice(f"context full: summarizing {fitted.window_from} earlier messages "
                          "for the model's window (all stay stored)")
-            summary, fitted = yield from self._summarized(history, conv, summary, fitted, fit)
+            summary, fitted = yield from self._summarized(history, conv, summary, fitted, fit,
+                                                          cancel.is_set)
             summarized = summary is not None  # (none written: the cut stands as a truncate)
-            conv = self.store.update(conv, summary=summary, summary_upto=fitted.window_from)
+            if summarized or not cancel.is_set():  # (stopped: the next turn writes it)
+                conv = self.store.update(conv, summary=summary,
+                                         summary_upto=fitted.window_from)
         tokens, max_tokens = fitted.tokens, fitted.max_tokens
         if fitted.window_from != conv.window_from:
             conv = self.store.update(conv, window_from=fitted.window_from)

@@ -15,14 +15,16 @@ front ends show it as they show a prompt's. What it is not: where the window mov
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from .events import PrefillProgress
 from .window import SUMMARY_SYSTEM, SUMMARY_TOKENS, summary_request
 
 
-def write_summary(engine, earlier: str | None, leaving: list[dict]) -> Iterator:
-    """Yields ``PrefillProgress``; returns the summary's text ("" if the model wrote none)."""
+def write_summary(engine, earlier: str | None, leaving: list[dict],
+                  stopped: Callable[[], bool] = lambda: False) -> Iterator:
+    """Yields ``PrefillProgress``; returns the summary's text ("" if the model wrote none,
+    or ``stopped()`` said so before it was done: the user stopped the turn)."""
     transcript = summary_request(earlier, leaving)
     if not transcript:
         return ""
@@ -45,12 +47,16 @@ def write_summary(engine, earlier: str | None, leaving: list[dict]) -> Iterator:
         except StopIteration as fin:
             logits = fin.value
             break
+        if stopped():
+            return ""
         yield PrefillProgress(done, total)
     out = []
     eos = engine.eos_ids
     for tok in engine.decode(cache, logits, most):
         if tok in eos:
             break
+        if stopped():
+            return ""
         out.append(tok)
     return engine.decode_text(out).strip()
 

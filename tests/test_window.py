@@ -431,3 +431,38 @@ def test_a_transcript_longer_than_the_context_keeps_its_end(small):
     assert progress[-1].total <= CONTEXT - summary_tokens(CONTEXT) - 1
     # (the control: the whole transcript would not have fitted)
     assert len(engine.encode(" ".join(m["content"] for m in leaving))) > CONTEXT
+
+
+def test_a_window_cut_before_summarize_gets_its_summary_at_the_next_turn(home, store, small):
+    """Cut under truncate, then switched to summarize: the next turn writes the summary of
+    the messages before the window (the window does not move), the one after appends; a turn
+    stopped while the summary is written leaves none, and the next turn writes it."""
+    from localchat.generation import Cancel
+
+    engine = small("llama")
+    store.create("late", engine.ref.name)
+    for prompt in PROMPTS:
+        got, _ = turn(store, engine, store.get("late"), prompt)
+        if store.get("late").window_from:
+            break
+    at = store.get("late").window_from
+    assert at > 0 and store.get("late").summary is None
+    store.update(store.get("late"), context_overflow="summarize")
+    # Stopped while the summary is written (the stop comes before the turn runs): none kept.
+    session = Session(store, engine, paths.kv_root(), paths.locks_dir())
+    cancel = Cancel()
+    cancel.set()
+    list(session.turn(store.get("late"), "And Daegu?", TurnOptions(max_tokens=REPLY),
+                      cancel=cancel))
+    assert store.get("late").summary is None and store.get("late").summary_upto != at
+    got, notes = turn(store, engine, store.get("late"), "And Busan?")
+    now = store.get("late")
+    assert now.window_from == at and now.summary and now.summary_upto == at
+    assert any(n.startswith("context full: summarizing") for n in notes)
+    after, notes = turn(store, engine, store.get("late"), "And Jeju?")
+    if not notes:  # (unless this short window filled again: then it is a cut of its own)
+        assert after.usage.miss_reason == ""
+        u = got.usage
+        assert after.usage.cached_tokens >= u.prompt_tokens + u.completion_tokens - 2
+    else:
+        assert after.usage.miss_reason.startswith("context full")
