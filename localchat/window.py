@@ -70,9 +70,11 @@ def policy_of(name: str | None) -> str:
 def summary_in_force(conv, policy: str) -> str | None:
     """The summary a turn of ``conv`` renders: under ``summarize``, the one made for the
     window as it stands (a window moved since, by another policy or a fork, has none)."""
-    if policy != "summarize" or not conv.summary or not conv.window_from:
+    summary, upto = conv.summary, conv.summary_upto
+    if policy != "summarize" or not conv.window_from or not isinstance(summary, str) or \
+            not summary.strip() or type(upto) is not int:  # (a damaged row: no summary)
         return None
-    return conv.summary if conv.summary_upto == conv.window_from else None
+    return summary if upto == conv.window_from else None
 
 
 def with_summary(history: list[dict], summary: str | None) -> list[dict]:

@@ -466,3 +466,39 @@ def test_a_window_cut_before_summarize_gets_its_summary_at_the_next_turn(home, s
         assert after.usage.cached_tokens >= u.prompt_tokens + u.completion_tokens - 2
     else:
         assert after.usage.miss_reason.startswith("context full")
+
+
+def test_a_summary_read_back_from_any_row_is_a_text_or_none(tmp_path):
+    """Every value SQLite can hand back for the two columns (a damaged or hand-edited
+    database): the summary in force is the stored text or None, never an exception, and
+    rendering it never fails."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from localchat.store import Store
+    from localchat.window import summary_in_force, with_summary
+
+    store = Store.open(tmp_path / "db.sqlite")
+    conv = store.create("c", "m")
+    store.update(conv, window_from=4)
+    values = st.one_of(st.none(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False),
+                       st.text(), st.binary())
+
+    @settings(max_examples=150, deadline=None)
+    @given(summary=values, upto=values.filter(lambda v: v is not None))  # (NOT NULL)
+    def check(summary, upto):
+        store.db.execute("UPDATE conversations SET summary = ?, summary_upto = ? WHERE id = ?",
+                         (summary, upto, conv.id))
+        got = store.get("c")
+        for policy in ("summarize", "truncate", "stop"):
+            s = summary_in_force(got, policy)
+            assert s is None or (policy == "summarize" and s == summary and upto == 4
+                                 and type(upto) is int)
+            history = with_summary([{"role": "user", "content": "hi"}], s)
+            assert history[-1] == {"role": "user", "content": "hi"}
+
+    check()
+    # (the control: a sound row gives its text)
+    store.db.execute("UPDATE conversations SET summary = 'x', summary_upto = 4")
+    assert summary_in_force(store.get("c"), "summarize") == "x"
+    store.close()
