@@ -412,6 +412,14 @@ class Engine:
         return (type(self).decode is Engine.decode and self.group.size == 1
                 and not self.info().unknown)
 
+    @property
+    def eager(self) -> bool:
+        """Whether a model call computes before it returns: on the CPU path the attention
+        (``cpu/attention.py``) evaluates each layer's scores, so queuing the next step before
+        handing out a token would make the token wait for that step. The decoders then hand
+        the token out first and feed it after (a caller that stops there gets it fed)."""
+        return attention.installed()
+
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
         top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
@@ -422,7 +430,9 @@ class Engine:
         The tokens are chosen by ``self.sampler`` (``sampler.py``: greedy when ``temp`` is 0,
         no control token that is not an end; a seeded turn samples as it would alone). The
         step for token n+1 is queued before token n is yielded (MLX async eval), so the model
-        works while the caller prints. ``stepped``: each model step is yielded as a ``Step``
+        works while the caller prints; where model calls compute as they are made
+        (``eager``), token n is yielded first and fed after (when the caller stops there,
+        as it closes this generator). ``stepped``: each model step is yielded as a ``Step``
         for a scheduler to run together with other turns' (``scheduler.py``) instead of being
         run here.
         """
@@ -433,6 +443,7 @@ class Engine:
         sampler = self.sampler(temp, top_p, top_k=top_k, min_p=min_p,
                                repetition_penalty=repetition_penalty, seed=seed)
         eos = self.eos_ids
+        eager = self.eager and not stepped
         y = sampler.draw(logits)
         mx.async_eval(y)
         for n in range(max_tokens):
@@ -450,6 +461,12 @@ class Engine:
                 else:
                     mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
                 return
+            if eager:
+                try:
+                    yield tok
+                except GeneratorExit:  # the caller took ``tok`` and stops: feed it
+                    mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
+                    raise
             if stepped:
                 step = Step(y, cache)
                 yield step
@@ -458,7 +475,8 @@ class Engine:
                 logits = self.model(y[:, None], cache=cache)[:, -1, :]
             y = sampler.draw(logits)
             mx.async_eval(y)
-            yield tok
+            if not eager:
+                yield tok
 
 
 def make_prompt_cache(model) -> list:

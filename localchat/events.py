@@ -104,15 +104,19 @@ class Usage:
            context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
            miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0,
            reasoning_tokens: int = 0, lookup_drafted: int = 0,
-           lookup_accepted: int = 0) -> Usage:
+           lookup_accepted: int = 0, decode_from: float | None = None) -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
             t0: the turn's start; t_first / t_last: the first and last generated token.
             prefill_s: seconds spent prefilling ``prompt_tokens - cached_tokens`` tokens.
+            decode_from: when the prompt's logits were ready (default ``t_first``): the
+                decode speed is the tokens after the first over the time from there to
+                ``t_last`` (tokens that come in bursts, a verify pass's, count over the
+                time that made them).
         """
         prefilled = prompt_tokens - cached_tokens
-        decode_s = t_last - t_first
+        decode_s = t_last - (t_first if decode_from is None else decode_from)
         return cls(
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,

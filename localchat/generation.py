@@ -79,6 +79,7 @@ class Run:
     prefill_s: float = 0.0
     t_first: float | None = None
     t_last: float | None = None  # when the last token came (decode speed ends there)
+    t_ready: float | None = None  # when the prompt's logits were ready (decode speed starts)
     fed: int = 0  # tokens the cache holds (ArraysCache keeps no count of its own)
     checkpoints: list[ck.Captured] = field(default_factory=list)
     finish: str = "stop"  # why it ended: stop (end of text), length, stop_sequence, cancelled,
@@ -172,7 +173,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
             run.checkpoints.append(ck.capture(cache, run.fed))
             if hi < total:
                 yield PrefillProgress(hi, total)
-    run.prefill_s = now() - t
+    run.t_ready = now()
+    run.prefill_s = run.t_ready - t
     run.logits_ready = True
     run.fed = start.pos + len(new_tokens)
     detok = engine.detokenizer()
@@ -318,6 +320,7 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
     return Usage.of(
         prompt_tokens=len(tokens), cached_tokens=k, completion_tokens=len(run.generated),
         t0=t0, t_first=t_first, t_last=run.t_last or t_end, prefill_s=run.prefill_s,
+        decode_from=min(run.t_ready or t_first, t_first),
         context_tokens=run.fed,
         context_length=engine.info().context_length, cache_bytes=cache_bytes,
         bytes_written=written, miss_reason=reason,

@@ -245,6 +245,9 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
     policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
     y = int(sampler.draw(logits).item())
+    # Where model calls compute as they are made (``Engine.eager``), a verify pass would hold
+    # back the token before it: that token goes out first.
+    eager = engine.eager and not stepped
     n = 0  # tokens yielded
     while True:
         if y in eos:
@@ -261,7 +264,14 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
         # Drafts stay before the last allowed token, which is fed only when read on.
         want = min(policy.want(), max_tokens - 2 - n) if not stepped or may_draft() else 0
         draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
+        if eager:
+            try:
+                yield y
+            except GeneratorExit:  # the caller took ``y`` and stops: feed it
+                mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
+                raise
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
+            # (after it where calls are eager)
             if stepped:  # the scheduler runs it, in a batch with others' steps
                 step = Step(mx.array([y]), cache)
                 yield step
@@ -269,7 +279,8 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
             else:
                 nxt = sampler.draw(model(mx.array([[y]]), cache=cache)[:, -1, :])
             mx.async_eval(nxt)
-            yield y
+            if not eager:
+                yield y
             n += 1
             y = int(nxt.item())
             continue
@@ -286,6 +297,9 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
         policy.update(len(draft), ver.accepted)
         out = [y, *draft[:ver.accepted]]
         for j, tok in enumerate(out):
+            if j == 0 and eager:  # out already
+                n += 1
+                continue
             try:
                 yield tok
             except GeneratorExit:

@@ -136,6 +136,66 @@ def test_a_reply_cut_short_leaves_exactly_its_tokens(built, family, monkeypatch)
         assert_same_cache(engine, ref, cache)
 
 
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("speculate", ["off", "lookup"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "mamba2"])
+def test_a_token_goes_out_before_the_next_model_call_where_calls_are_eager(
+        built, family, speculate, eager, monkeypatch):
+    """Where a model call computes as it is made (the CPU attention), a decoder hands a token
+    out before the call that feeds it (plain step or verify pass), so the first token does not
+    wait for a second model call; elsewhere the call is queued first (MLX async). Either way a
+    caller that stops after any token finds the cache holding exactly the tokens it took,
+    and the reply is the plain decode's."""
+    import mlx.core as mx
+
+    engine = built(family)
+    plain, _, tokens = decode_run(engine, COPY, "off")
+    monkeypatch.setattr(type(engine), "eager", property(lambda self: eager))
+    if speculate == "lookup":  # drafts at every token: each token is followed by a verify
+        monkeypatch.setattr(speculative, "NgramIndex", oracle(plain.generated, len(tokens),
+                                                              99))
+    calls = [0]
+    model = engine.model
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(model, name)
+
+        def __call__(self, *a, **k):
+            calls[0] += 1
+            return model(*a, **k)
+
+    for take in (1, 2, 5):
+        cache = engine.new_cache()
+        logits = yield_logits(engine, tokens, cache)
+        monkeypatch.setattr(engine, "model", Counted())
+        calls[0] = 0
+        steps = speculative.decode(engine, cache, logits, 40,
+                                   TurnOptions(speculate=speculate), tokens,
+                                   speculative.LookupStats())
+        first = next(steps)
+        assert calls[0] == (0 if eager else 1)  # the token before any further model call
+        got = [first] + [next(steps) for _ in range(take - 1)]
+        steps.close()
+        monkeypatch.setattr(engine, "model", model)
+        assert got == plain.generated[:take]
+        ref = engine.new_cache()
+        yield_logits(engine, tokens + got, ref)
+        short = engine.new_cache()
+        yield_logits(engine, tokens + got[:-1], short)
+        with pytest.raises(AssertionError):  # control: one token fewer is told apart
+            assert_same_cache(engine, short, cache)
+        cache = engine.new_cache()  # (the control fed a token into it: redo the run)
+        logits = yield_logits(engine, tokens, cache)
+        steps = speculative.decode(engine, cache, logits, 40,
+                                   TurnOptions(speculate=speculate), tokens,
+                                   speculative.LookupStats())
+        assert [next(steps) for _ in range(take)] == got
+        steps.close()
+        mx.eval(ck.state_arrays(cache))
+        assert_same_cache(engine, ref, cache)
+
+
 def yield_logits(engine, tokens, cache):
     steps = engine.prefill(tokens, cache)
     while True:
