@@ -196,6 +196,23 @@ def test_a_calibration_takes_the_turns_own_overhead_into_its_fixed_part(home):
     assert prefillmodel.for_conversation(engine, quick, clock=clock).overhead_s == 0.0
 
 
+def test_a_full_prefill_takes_the_overhead_of_the_turns_that_had_no_cache(home):
+    """Cached turns also read their cache back (here 0.3 s more than the first turn's 0.8 s
+    of own work): a full prefill is estimated with the uncached turn's overhead alone; with
+    no uncached turn, the median of all (control: the cached turns' larger overhead)."""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    calibrated(engine, clock)
+    turns = turns_of(TRUE, [(0, 37), (44, 15), (66, 15)])
+    slower = [turns[0]] + [Turn(t.prompt_tokens, t.cached_tokens, t.ttft_s + 0.3)
+                           for t in turns[1:]]
+    model = prefillmodel.for_conversation(engine, slower, clock=clock)
+    assert model.overhead_s == pytest.approx(0.75, rel=0.05)
+    assert model.full(2000) == pytest.approx(TRUE.full(2000), rel=0.02)
+    cached_only = prefillmodel.for_conversation(engine, slower[1:], clock=clock)
+    assert cached_only.overhead_s == pytest.approx(1.05, rel=0.05)
+
+
 def test_a_calibration_made_on_a_busy_machine_heals(home):
     """Calibrated while everything ran 3x slower; the conversation's turns then run at the
     machine's speed, faster than that calibration says a prefill alone can: it is measured
@@ -288,3 +305,12 @@ def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home,
         print(f"\nprefill model on the default model: {len(ids)} tokens estimated "
               f"{model.full(len(ids)):.3f} s, measured {measured:.3f} s, ratio {ratio:.2f}")
     assert 0.75 <= ratio <= 1.25
+
+
+def test_the_calibration_measures_both_sides_of_the_one_pass_step():
+    """A prompt of up to ONE_PASS tokens runs the model once, one longer twice: both lengths
+    are measured, so the step is not smeared over the lengths after it."""
+    from localchat.engine import ONE_PASS
+
+    assert {ONE_PASS, ONE_PASS + 1} <= set(prefillmodel.CALIBRATION)
+
