@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from .cpu import attention, backend
+from .cpu import activations, attention, backend
 from .errors import BadInput, ModelBroken
 from .events import Step
 from .kvcache import kinds as ck
@@ -124,6 +124,7 @@ class Engine:
         engine.end_tokens()  # before any loop reads the tokenizer's EOS set
         engine.notices.extend(engine.sampling().notices)
         attention.install()  # CPU only: softmax without MLX's slow CPU exp (attention.py)
+        activations.install()  # likewise the SwiGLU's sigmoid (activations.py)
         if unknown := engine.info().unknown:
             engine.notices.append(
                 f"this model's cache ({', '.join(unknown)}) is not one localchat can keep: "
