@@ -36,8 +36,11 @@ class Sampler:
         self.seed = seed
         self.banned = sorted(set(banned))
         self.root = root or (lambda y: y)  # split over ranks: every rank takes rank 0's token
-        self._chain = make_sampler(temp, top_p=top_p if top_p < 1.0 else 0.0, min_p=min_p,
-                                   top_k=top_k)
+        # mlx-lm's chain (top-p, min-p, top-k, then the temperature), its top-p ours: the
+        # same filter with a faster sort (``top_p_filter``).
+        rest = make_sampler(temp, top_p=0.0, min_p=min_p, top_k=top_k)
+        self._chain = (lambda x: rest(top_p_filter(x, top_p))) if temp != 0 and \
+            0 < top_p < 1.0 else rest
         self._penalize = make_logits_processors(
             None, repetition_penalty if repetition_penalty != 1.0 else None)
         self._mask = None
@@ -92,10 +95,10 @@ class Sampler:
     def probs(self, logits):
         """The distribution ``draw`` samples from, per row of ``logits`` (masked already)."""
         import mlx.core as mx
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k
 
         if 0 < self.top_p < 1.0:
-            logits = apply_top_p(logits, self.top_p)
+            logits = top_p_filter(logits, self.top_p)
         if self.min_p != 0.0:
             logits = apply_min_p(logits, self.min_p)
         if self.top_k > 0:
@@ -131,3 +134,36 @@ class Sampler:
         # Rejected x: draw from p without x, renormalised (the residual of p - q, q = δx).
         rest = mx.where(mx.arange(p.shape[-1]) == draft[a], 0.0, p[a])
         return a, int(mx.random.categorical(mx.log(rest)).item())
+
+
+def top_p_filter(logprobs, top_p: float):
+    """mlx-lm's ``apply_top_p``, to the bit, with its sort done by NumPy where the scores are
+    float32 on the CPU path: MLX's CPU sort of a 49,152-token vocabulary took 4.6 ms a
+    sampled token (~5% of a decode step of the default model), NumPy's 0.3 ms. Sorting is
+    exact, so every later step sees the very values mlx-lm's does. Elsewhere (Metal, CUDA,
+    other dtypes, inside ``mx.compile``) mlx-lm's own."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_p
+
+    if logprobs.dtype != mx.float32 or not _host_sort():
+        return apply_top_p(logprobs, top_p)
+    try:
+        mx.eval(logprobs)
+    except ValueError:  # under a function transformation: nothing may be evaluated
+        return apply_top_p(logprobs, top_p)
+    import numpy as np
+
+    sorted_logprobs = mx.array(np.sort(np.array(logprobs, copy=False), axis=-1))
+    sorted_probs = mx.exp(sorted_logprobs)
+    mass_above = mx.cumsum(sorted_probs, axis=-1, reverse=True, inclusive=False)
+    total_mass = mass_above[..., :1] + sorted_probs[..., :1]
+    num_dropped = (mass_above >= top_p * total_mass).sum(axis=-1, keepdims=True)
+    threshold = mx.take_along_axis(sorted_logprobs, num_dropped, axis=-1)
+    return mx.where(logprobs < threshold, -float("inf"), logprobs)
+
+
+def _host_sort() -> bool:
+    from .cpu import backend
+
+    return backend.cpu_path()
+

@@ -8,6 +8,7 @@ import shutil
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -278,3 +279,61 @@ def test_any_generation_config_is_judged_without_an_exception(tmp_path, mark, ex
         assert json.loads(path.read_text())[WRITTEN]["version"] == gguf.SAMPLING_VERSION
     else:
         assert path.read_bytes() == before  # a file not ours (or current) stands
+
+
+@st.composite
+def scores(draw):
+    """Rows of float32 logits: a vocabulary of any size, any scale, ties and masked tokens."""
+    rows = draw(st.integers(1, 3))
+    width = draw(st.sampled_from([1, 2, 7, 100, 1000, 3000]))  # (each shape compiles once)
+    scale = draw(st.sampled_from([0.01, 1.0, 5.0, 30.0]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    a = (rng.normal(0, scale, (rows, width))).astype(np.float32)
+    if draw(st.booleans()):  # ties: values from a handful
+        a = np.round(a, 0).astype(np.float32)
+    if width > 1 and draw(st.booleans()):  # banned tokens (``Sampler.masked``)
+        a[:, rng.integers(0, width, max(1, width // 10))] = -np.inf
+    return a
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=scores(), p=st.sampled_from([0.05, 0.3, 0.5, 0.8, 0.9, 0.95, 0.99]))
+# (mlx-lm's apply_top_p is compiled: each new p compiles it again)
+def test_top_p_is_mlx_lms_to_the_bit(a, p):
+    """Our top-p (NumPy's sort on the CPU path) keeps exactly the tokens mlx-lm's keeps, with
+    the same values; control: another p keeps another set somewhere below."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_p
+
+    from localchat.sampler import _host_sort, top_p_filter
+
+    assert _host_sort()  # (the NumPy path is the one under test)
+    x = mx.array(a)
+    ours, theirs = np.array(top_p_filter(x, p)), np.array(apply_top_p(x, p))
+    assert np.array_equal(ours, theirs)
+
+
+def test_top_p_control_tells_a_different_p_apart():
+    import mlx.core as mx
+
+    from localchat.sampler import top_p_filter
+
+    x = mx.array(np.random.default_rng(1).normal(0, 2, (1, 4000)).astype(np.float32))
+    assert not np.array_equal(np.array(top_p_filter(x, 0.5)), np.array(top_p_filter(x, 0.9)))
+
+
+def test_a_seeded_sampled_draw_is_mlx_lms_draw():
+    """``Sampler`` draws what mlx-lm's own sampler chain draws from the same random state."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from localchat.sampler import Sampler
+
+    logits = mx.array(np.random.default_rng(2).normal(0, 3, (1, 49152)).astype(np.float32))
+    got, want = [], []
+    for seed in range(40):
+        got.append(int(Sampler(0.7, 0.9, seed=seed).draw(logits).item()))
+        mx.random.seed(seed * 1_000_003 % 2**63)
+        want.append(int(make_sampler(0.7, top_p=0.9)(logits).item()))
+    assert got == want and len(set(got)) > 3  # (and the draws do vary)
