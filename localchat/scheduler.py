@@ -261,12 +261,18 @@ class Scheduler:
         others = [t for t in self.running if t.step is None and not t.locked]
         t0 = time.perf_counter()
         if others:
-            # Round robin over the turns that are not decoding: one yield point each round.
-            self._next %= len(others)
-            turn = others[self._next]
-            self._next += 1
             self.pace.busy = any(t.step is not None for t in self.running)
-            self._advance(turn)
+            if not self.pace.busy and len(others) > 1 and self.fused():
+                # No one decodes (turns admitted together): every prompt's first chunk goes
+                # into this round's one call, the weights read once for all of them.
+                for turn in others:
+                    self._advance(turn)
+            else:
+                # Round robin over the turns that are not decoding: one yield point a round.
+                self._next %= len(others)
+                turn = others[self._next]
+                self._next += 1
+                self._advance(turn)
             t0 = time.perf_counter()  # (a resume read from disk is no model time)
         elif all(t.locked for t in self.running):
             # Each waits for a conversation's lock and no other turn here holds one now.

@@ -20,7 +20,7 @@ class Stub:
 def run(works: list[Work], **kw) -> tuple[Scheduler, list[int]]:
     """Run ``works``; the number of turns running at each round."""
     s = Scheduler(Stub(), **kw)
-    s.refusal = ""  # (batchable: no model to try)
+    s.refusal = s.unfused = ""  # (batchable, chunks fused: no model to try)
     seen = []
     for w in works:
         s.put(w)
@@ -217,6 +217,28 @@ def test_a_model_whose_batched_step_fails_runs_alone(family, name):
     assert batch_refusal(family(name)).startswith("a batched step")
 
 
+def arrive_late(sched: Scheduler, early: list[Work], late: Work) -> None:
+    """Run ``early`` to their decode steps (their prompts in one round), then queue
+    ``late`` — a prompt arriving while they decode — and run everything to its end."""
+    sched._drive(True)
+    try:
+        for w in early:
+            sched.put(w)
+        for _ in range(50):  # (one round, or one prompt a round where chunks run apart)
+            sched.admit(block=False)
+            sched.round()
+            if all(t.step is not None for t in sched.running):
+                break
+        assert len(sched.running) == len(early)
+        assert all(t.step is not None for t in sched.running)  # (decoding now)
+        sched.put(late)
+        while sched.running or sched.queued:
+            sched.admit(block=False)
+            sched.round()
+    finally:
+        sched._drive(False)
+
+
 @pytest.mark.parametrize("unfused", [None, "a pass of its own (the test says so)"])
 def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session, unfused):
     """Three turns decode while a ~700-token prompt arrives: decode steps run beside its
@@ -242,7 +264,7 @@ def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session, u
             assert not isinstance(ev, BaseException), ev
         return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=40)), emit)
 
-    sched.run_all([work(i) for i in range(4)])
+    arrive_late(sched, [work(i) for i in range(3)], work(3))
     assert sched.widest >= 2 and len(at_chunk) >= 2
     assert at_chunk == sorted(at_chunk) and at_chunk[-1] > at_chunk[0]  # steps in between
     assert not session.stepped  # (given back once the group ran)
@@ -278,7 +300,7 @@ def test_a_long_prompt_takes_chunks_the_size_of_a_share_of_a_decode_step(session
             assert not isinstance(ev, BaseException), ev
         return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=120)), emit)
 
-    sched.run_all([work(i) for i in range(4)])
+    arrive_late(sched, [work(i) for i in range(3)], work(3))
     done = [d for d, _ in chunks]
     sizes = [(b - a, busy) for a, b, busy in zip([0, *done], done, [b for _, b in chunks])]
     assert done[-1] > 300 and max(n for n, _ in sizes) <= PREFILL_CHUNK
@@ -332,3 +354,42 @@ def test_the_batching_trials_run_once_per_engine(monkeypatch):
                                                                    b.verdict, ""]
     assert calls == [a, b]
     assert batchstep.batch_refusal.__wrapped__ is not batchstep.batch_refusal  # (wrapped)
+
+
+@pytest.mark.parametrize("unfused", [None, "a pass of its own (the test says so)"])
+def test_turns_admitted_together_prefill_in_one_model_call(session, unfused, monkeypatch):
+    """Four turns admitted while none decodes: the first model call holds all four prompts
+    (the weights read once for them), and each reply is the one it gives alone. Control: a
+    model whose chunks cannot share a call takes one prompt a round."""
+    import localchat.scheduler as scheduler
+    from localchat.events import TurnFinished
+    from localchat.scheduler import is_chunk
+    from localchat.session import TurnOptions
+
+    calls: list[list] = []
+    real = scheduler.run_steps
+
+    def spy(model, steps):
+        calls.append([is_chunk(s) for s in steps])
+        return real(model, steps)
+
+    monkeypatch.setattr(scheduler, "run_steps", spy)
+    prompts = [f"Question {i}: what is the river of Seoul called?" for i in range(4)]
+    convs = [session.conversation(f"t{i}-{bool(unfused)}") for i in range(4)]
+    sched = Scheduler(session, max_batch=4, memory=2**30)
+    sched.unfused = unfused
+    done: dict[int, str] = {}
+
+    def work(i: int) -> Work:
+        def emit(ev) -> None:
+            assert not isinstance(ev, BaseException), ev
+            if isinstance(ev, TurnFinished):
+                done[i] = ev.reply
+        return Work(lambda s: s.turn(convs[i], prompts[i], TurnOptions(max_tokens=12)), emit)
+
+    sched.run_all([work(i) for i in range(4)])
+    assert calls[0] == ([True] * 4 if not unfused else [True])
+    for i in range(4):
+        alone = [ev for ev in session.turn(session.conversation(f"alone-t{i}-{bool(unfused)}"),
+                                           prompts[i], TurnOptions(max_tokens=12))][-1]
+        assert alone.reply == done[i]
