@@ -413,6 +413,22 @@ class Engine:
         return (type(self).decode is Engine.decode and self.group.size == 1
                 and not self.info().unknown)
 
+    def feed(self, cache: list, tok: int) -> None:
+        """Put one token into ``cache`` now (a reply's last token, or one a caller stopped
+        after)."""
+        import mlx.core as mx
+
+        mx.eval(ck.state_arrays(cache), self.model(mx.array([[tok]]), cache=cache))
+
+    def hand_out(self, tok: int, cache: list):
+        """Yield ``tok`` before it is fed (``eager``): a caller that stops there (closing the
+        generator this is delegated from) gets it fed, so the cache ends where it took."""
+        try:
+            yield tok
+        except GeneratorExit:
+            self.feed(cache, tok)
+            raise
+
     @property
     def eager(self) -> bool:
         """Whether a model call computes before it returns: on the CPU path the attention
@@ -460,14 +476,10 @@ class Engine:
                 if stepped:
                     yield Step(y, cache)
                 else:
-                    mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
+                    self.feed(cache, tok)
                 return
             if eager:
-                try:
-                    yield tok
-                except GeneratorExit:  # the caller took ``tok`` and stops: feed it
-                    mx.eval(ck.state_arrays(cache), self.model(y[:, None], cache=cache))
-                    raise
+                yield from self.hand_out(tok, cache)
             if stepped:
                 step = Step(y, cache)
                 yield step

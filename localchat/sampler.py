@@ -29,7 +29,7 @@ class Sampler:
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
                  banned: Sequence[int] = (), root: Callable | None = None):
-        from mlx_lm.sample_utils import make_logits_processors, make_sampler
+        from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
 
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
         self.penalty = repetition_penalty
@@ -39,7 +39,8 @@ class Sampler:
         # mlx-lm's chain (top-p, min-p, top-k, then the temperature), its top-p ours: the
         # same filter with a faster sort (``top_p_filter``).
         rest = make_sampler(temp, top_p=0.0, min_p=min_p, top_k=top_k)
-        self._chain = (lambda x: rest(top_p_filter(x, top_p))) if temp != 0 and \
+        self._top_p = top_p_filter if _host_sort() else apply_top_p  # (asked once a turn)
+        self._chain = (lambda x: rest(self._top_p(x, top_p))) if temp != 0 and \
             0 < top_p < 1.0 else rest
         self._penalize = make_logits_processors(
             None, repetition_penalty if repetition_penalty != 1.0 else None)
@@ -98,7 +99,7 @@ class Sampler:
         from mlx_lm.sample_utils import apply_min_p, apply_top_k
 
         if 0 < self.top_p < 1.0:
-            logits = top_p_filter(logits, self.top_p)
+            logits = self._top_p(logits, self.top_p)
         if self.min_p != 0.0:
             logits = apply_min_p(logits, self.min_p)
         if self.top_k > 0:
@@ -138,14 +139,14 @@ class Sampler:
 
 def top_p_filter(logprobs, top_p: float):
     """mlx-lm's ``apply_top_p``, to the bit, with its sort done by NumPy where the scores are
-    float32 on the CPU path: MLX's CPU sort of a 49,152-token vocabulary took 4.6 ms a
-    sampled token (~5% of a decode step of the default model), NumPy's 0.3 ms. Sorting is
-    exact, so every later step sees the very values mlx-lm's does. Elsewhere (Metal, CUDA,
-    other dtypes, inside ``mx.compile``) mlx-lm's own."""
+    float32: MLX's CPU sort of a 49,152-token vocabulary took 4.6 ms a sampled token (~5% of a
+    decode step of the default model), NumPy's 0.3 ms. Sorting is exact, so every later step
+    sees the very values mlx-lm's does. A ``Sampler`` takes it on the CPU path only
+    (``_host_sort``); other dtypes and calls inside ``mx.compile`` get mlx-lm's own."""
     import mlx.core as mx
     from mlx_lm.sample_utils import apply_top_p
 
-    if logprobs.dtype != mx.float32 or not _host_sort():
+    if logprobs.dtype != mx.float32:
         return apply_top_p(logprobs, top_p)
     try:
         mx.eval(logprobs)

@@ -258,18 +258,14 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
             if stepped:
                 yield Step(mx.array([y]), cache)
             else:
-                mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
+                engine.feed(cache, y)
             return
         index.append(y)
         # Drafts stay before the last allowed token, which is fed only when read on.
         want = min(policy.want(), max_tokens - 2 - n) if not stepped or may_draft() else 0
         draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
         if eager:
-            try:
-                yield y
-            except GeneratorExit:  # the caller took ``y`` and stops: feed it
-                mx.eval(ck.state_arrays(cache), model(mx.array([[y]]), cache=cache))
-                raise
+            yield from engine.hand_out(y, cache)
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
             # (after it where calls are eager)
             if stepped:  # the scheduler runs it, in a batch with others' steps

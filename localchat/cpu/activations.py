@@ -122,15 +122,13 @@ def _host(*arrays) -> bool:
     they are evaluated here (False inside ``mx.compile``, where nothing may be)."""
     import mlx.core as mx
 
+    from .attention import _evaluate
+
     first = arrays[0]
     if any(a.dtype != mx.float32 or a.shape != first.shape for a in arrays) or \
             first.size < MIN_ELEMENTS:
         return False
-    try:
-        mx.eval(*arrays)
-    except ValueError:  # "Attempting to eval an array during function transformations"
-        return False
-    return True
+    return _evaluate(list(arrays))
 
 
 def swiglu(gate, x):
