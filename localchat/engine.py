@@ -414,15 +414,13 @@ class Engine:
                 and not self.info().unknown)
 
     def feed(self, cache: list, tok: int) -> None:
-        """Put one token into ``cache`` now (a reply's last token, or one a caller stopped
-        after)."""
+        """Put one token into ``cache`` now (a reply's last, or one a caller stopped after)."""
         import mlx.core as mx
 
         mx.eval(ck.state_arrays(cache), self.model(mx.array([[tok]]), cache=cache))
 
     def hand_out(self, tok: int, cache: list):
-        """Yield ``tok`` before it is fed (``eager``): a caller that stops there (closing the
-        generator this is delegated from) gets it fed, so the cache ends where it took."""
+        """Yield ``tok`` before it is fed (``eager``); a caller that stops there gets it fed."""
         try:
             yield tok
         except GeneratorExit:
@@ -431,10 +429,9 @@ class Engine:
 
     @property
     def eager(self) -> bool:
-        """Whether a model call computes before it returns: on the CPU path the attention
-        (``cpu/attention.py``) evaluates each layer's scores, so queuing the next step before
-        handing out a token would make the token wait for that step. The decoders then hand
-        the token out first and feed it after (a caller that stops there gets it fed)."""
+        """Whether a model call computes before it returns (the CPU attention evaluates each
+        layer): queuing the next step first would make a token wait for it, so the decoders
+        hand the token out first and feed it after (``hand_out``)."""
         return attention.installed()
 
     def decode(

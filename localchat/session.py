@@ -48,7 +48,7 @@ from .kvcache.prefixes import PrefixPool
 from .kvcache.sharing import MIN_SHARED, NoSharing, Sharing
 from .replies import split_tool_calls
 from .store import Conversation, Store
-from .summary import write_summary
+from .summary import summarize_cut
 from .tools.settings import ToolSettings, digest_of
 from .turncache import Prior, Start, TurnCache
 
@@ -290,32 +290,6 @@ class Session:
             lock.release()
             self._running = None
 
-    def _summarized(self, history: list[dict], conv, summary: str | None, fitted, fit,
-                    stopped):
-        """``--context-overflow summarize``: the model's summary of what is before the window
-        ``fitted`` starts (the summary that stood for what came before, then the messages
-        from there to the window), and the window refitted with it in the system prompt.
-        Yields the summary's progress; returns (the summary, or None if the model wrote
-        none or the turn was stopped: the window then renders none; the fit)."""
-        body = window.split(history, 0)[1]
-        moved = fitted.moved
-        for _ in range(3):  # (a long summary may push the window on: summarized again)
-            since = conv.window_from if summary else 0
-            text = yield from write_summary(self.engine, summary,
-                                            body[since:fitted.window_from], stopped)
-            if not text:
-                break
-            try:
-                again = fit(fitted.window_from, text, "truncate")
-            except ContextFull:  # (the summary leaves no room: the window goes without it)
-                break
-            if not again.moved:
-                return text, dataclasses.replace(again, moved=moved)
-            summary, conv, fitted, moved = text, dataclasses.replace(
-                conv, window_from=fitted.window_from), again, True
-        return None, dataclasses.replace(fit(fitted.window_from, None, "truncate"),
-                                         moved=moved)
-
     def _turn(self, conv, new: list[dict], options: TurnOptions, cancel: Cancel, t0: float,
               edit_reason: str):
         history = self.conversations.history(conv) + list(new)
@@ -342,8 +316,8 @@ class Session:
         if summarized:
             yield Notice(f"context full: summarizing {fitted.window_from} earlier messages "
                          "for the model's window (all stay stored)")
-            summary, fitted = yield from self._summarized(history, conv, summary, fitted, fit,
-                                                          cancel.is_set)
+            summary, fitted = yield from summarize_cut(self.engine, history, conv, summary,
+                                                       fitted, fit, cancel.is_set)
             summarized = summary is not None  # (none written: the cut stands as a truncate)
             if summarized or not cancel.is_set():  # (stopped: the next turn writes it)
                 conv = self.store.update(conv, summary=summary,

@@ -15,8 +15,11 @@ front ends show it as they show a prompt's. What it is not: where the window mov
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
+from . import window
+from .errors import ContextFull
 from .events import PrefillProgress
 from .window import SUMMARY_SYSTEM, SUMMARY_TOKENS, summary_request
 
@@ -59,6 +62,34 @@ def write_summary(engine, earlier: str | None, leaving: list[dict],
             return ""
         out.append(tok)
     return engine.decode_text(out).strip()
+
+
+def summarize_cut(engine, history: list[dict], conv, summary: str | None, fitted, fit,
+                  stopped):
+    """``--context-overflow summarize`` at a cut (``Session._turn``): the model's summary of
+    what is before the window ``fitted`` starts (the summary that stood for what came before,
+    then the messages from there to the window), and the window refitted with it in the
+    system prompt (``fit(at, summary, how)``).
+    Yields the summary's progress; returns (the summary, or None if the model wrote
+    none or the turn was stopped: the window then renders none; the fit)."""
+    body = window.split(history, 0)[1]
+    moved = fitted.moved
+    for _ in range(3):  # (a long summary may push the window on: summarized again)
+        since = conv.window_from if summary else 0
+        text = yield from write_summary(engine, summary, body[since:fitted.window_from],
+                                        stopped)
+        if not text:
+            break
+        try:
+            again = fit(fitted.window_from, text, "truncate")
+        except ContextFull:  # (the summary leaves no room: the window goes without it)
+            break
+        if not again.moved:
+            return text, dataclasses.replace(again, moved=moved)
+        summary, conv, fitted, moved = text, dataclasses.replace(
+            conv, window_from=fitted.window_from), again, True
+    return None, dataclasses.replace(fit(fitted.window_from, None, "truncate"),
+                                     moved=moved)
 
 
 def summary_tokens(context: int) -> int:

@@ -143,3 +143,28 @@ def make_app(home, engine):
         scripted = ScriptedEngine(engine, list(replies), delay)
         return LocalchatApp(load_engine=lambda name, progress: scripted, **kw), scripted
     return make
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """``small(family)``: a tiny model of that family with a 512-token context (the window
+    tests: ``test_window.py``, ``test_summary.py``)."""
+    import json
+
+    from families import build_family
+    from windowed import CONTEXT
+
+    from localchat.engine import Engine
+
+    made: dict[str, Engine] = {}
+
+    def get(family: str) -> Engine:
+        if family not in made:
+            folder = build_family(family, tmp_path_factory.mktemp(family) / family)
+            config = json.loads((folder / "config.json").read_text())
+            config["max_position_embeddings"] = CONTEXT
+            (folder / "config.json").write_text(json.dumps(config))
+            made[family] = Engine.load(str(folder))
+            assert made[family].info().context_length == CONTEXT
+        return made[family]
+    return get

@@ -122,13 +122,13 @@ def _host(*arrays) -> bool:
     they are evaluated here (False inside ``mx.compile``, where nothing may be)."""
     import mlx.core as mx
 
-    from .attention import _evaluate
+    from .attention import evaluate
 
     first = arrays[0]
     if any(a.dtype != mx.float32 or a.shape != first.shape for a in arrays) or \
             first.size < MIN_ELEMENTS:
         return False
-    return _evaluate(list(arrays))
+    return evaluate(list(arrays))
 
 
 def swiglu(gate, x):

@@ -151,7 +151,7 @@ def scaled_dot_product_attention(q, k, v, *, scale: float, mask=None, sinks=None
         keys = S - L + i1 if causal_cut else S
         scores, transposed = _scores(q[:, :, i0:i1], k[:, :, :keys])
         if i0 == 0:
-            if not _evaluate(scores):  # under mx.compile / vmap: MLX's own attention
+            if not evaluate(scores):  # under mx.compile / vmap: MLX's own attention
                 return fallback(q, k, v, scale=1.0, mask=mask, sinks=sinks)
             # Masks and sinks may be lazy; now that evaluating works they can be read.
             host_mask = _host_mask(mask, Hq, k.shape[1], dtype)
@@ -185,7 +185,8 @@ def _scores(q, k):
     return (qs @ k.swapaxes(-1, -2)).astype(mx.float32), False
 
 
-def _evaluate(x) -> bool:
+def evaluate(x) -> bool:
+    """Evaluate ``x``; False where nothing may be (inside ``mx.compile`` or ``vmap``)."""
     import mlx.core as mx
 
     try:
