@@ -49,7 +49,8 @@ def main() -> None:
                                       "--shard", shard])
     group = start_cluster(args, model)
     # Greedy, as the single-process ``ask`` it is compared with (the app samples by default).
-    app = LocalchatApp(conversation="app", model=model, group=group, max_tokens=12, temp=0.0)
+    app = LocalchatApp(conversation="app", model=model, group=group, max_tokens=12, temp=0.0,
+                       draft_prefill=False)  # (the hit is compared with ask's: no draft)
     try:
         print(json.dumps(asyncio.run(run(app, prompts))))
     finally:

@@ -150,14 +150,16 @@ async def test_new_switch_rename_and_delete(make_app):
 
 
 async def test_resume_after_restart_shows_cache_hit(make_app):
-    app, _ = make_app(["Seoul is the capital."])
+    # Draft prefill off: keys typed slower than its 0.3 s delay (a loaded machine) would
+    # prefill part of the new message before Enter, and the hit would count those too.
+    app, _ = make_app(["Seoul is the capital."], draft_prefill=False)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
         await type_and_send(pilot, "서울은 어디예요?")
         await settle(app, pilot)
         first_context = app.current.tokens
     # A new app and session: the cache must come from disk.
-    app2, _ = make_app(["It is in Korea."])
+    app2, _ = make_app(["It is in Korea."], draft_prefill=False)
     async with app2.run_test(size=(120, 40)) as pilot:
         await settle(app2, pilot)
         assert users(app2) == ["서울은 어디예요?"]
