@@ -1,5 +1,6 @@
 """A year of use: search across conversations (Korean and English), a sidebar of thousands of
-conversations a page at a time, and a search in the app that jumps to the message."""
+conversations a page at a time, a long conversation drawn from its end, and a search in the
+app that jumps to the message."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from localchat.cli import main
 from localchat.migrations import MIGRATIONS, migrate, statements
 from localchat.store import Store
 from localchat.tui.app import LocalchatApp
-from localchat.tui.chatview import ChatView
+from localchat.tui.chatview import FIRST, MORE, ChatView, EarlierMessages, UserMessage
 from localchat.tui.sidebar import PAGE, ConversationItem, MoreItem, Sidebar
+from localchat.tui.toolcalls import ToolCallBlock
 
 
 def fill(store: Store, n: int) -> None:
@@ -98,6 +100,160 @@ async def test_a_sidebar_of_many_conversations_shows_a_page_at_a_time(home, engi
         assert app.current.name == "c0010"
         chat = app.query_one(ChatView)
         assert chat.by_seq[3].has_class("found")
+
+
+def long_conversation(store: Store, name: str, turns: int, call_at: int | None = None,
+                      found_at: int | None = None):
+    """``turns`` questions and answers; after question ``call_at`` a tool call and its
+    result; question ``found_at`` names a palace (a search's match)."""
+    conv = store.create(name, "m")
+    for i in range(turns):
+        store.add_message(conv, "user", "Where is the Gyeongbokgung Palace?" if i == found_at
+                          else f"question {i}")
+        if i == call_at:
+            store.add_message(conv, "assistant", "", extra={"tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "clock", "arguments": {"zone": "Asia/Seoul"}}}]})
+            store.add_message(conv, "tool", "09:00", extra={
+                "tool_call_id": "c1", "name": "clock", "outcome": "ran"})
+        store.add_message(conv, "assistant", f"answer {i}")
+    return conv
+
+
+def drawn_users(app) -> list[str]:
+    return [str(m.render()) for m in app.query_one(ChatView).query(UserMessage)]
+
+
+async def test_a_long_conversation_opens_at_its_end_and_draws_earlier_messages_on_the_way_up(
+        home, engine):
+    turns = 60  # 120 messages: FIRST drawn, then MORE at a time
+    store = Store.open(paths.database_path())
+    long_conversation(store, "long", turns)
+    store.close()
+    app = LocalchatApp(conversation="long",
+                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        chat = app.query_one(ChatView)
+        everyone = [f"question {i}" for i in range(turns)]
+        assert drawn_users(app) == everyone[-FIRST // 2:]
+        line = chat.query_one(EarlierMessages)
+        assert str(line.render()).startswith(f"↑ {2 * turns - FIRST} earlier messages")
+        assert chat.scroll_y > 0  # at the end
+        # Up to the top: MORE are drawn above, and the view stays on what was at its top.
+        chat.scroll_home(animate=False)
+        await pilot.pause()
+        await pilot.pause()
+        assert drawn_users(app) == everyone[-(FIRST + MORE) // 2:]
+        assert chat.scroll_y > 0
+        assert str(line.render()).startswith(f"↑ {2 * turns - FIRST - MORE} earlier")
+        # Up again: the rest (fewer than MORE) are drawn, and the line goes.
+        chat.scroll_home(animate=False)
+        await pilot.pause()
+        await pilot.pause()
+        assert drawn_users(app) == everyone
+        assert not chat.query(EarlierMessages)
+        assert sorted(chat.by_seq) == [m.seq for m in app.store.messages(app.current)]
+    # A conversation that fits is drawn whole, with no line above it (control).
+    store = Store.open(paths.database_path())
+    long_conversation(store, "short", FIRST // 2)
+    store.close()
+    app = LocalchatApp(conversation="short",
+                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert drawn_users(app) == [f"question {i}" for i in range(FIRST // 2)]
+        assert not app.query_one(ChatView).query(EarlierMessages)
+
+
+async def test_a_redraw_of_a_scrolled_view_draws_its_end_again(home, engine):
+    """A redraw (a regenerate, an edit, a message another process added) empties the view,
+    which scrolls it to its top on the way: that is not the user asking for more."""
+    store = Store.open(paths.database_path())
+    long_conversation(store, "long", 60)
+    store.close()
+    app = LocalchatApp(conversation="long",
+                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        chat = app.query_one(ChatView)
+        assert chat.scroll_y > 0
+        stored = app.store.messages(app.current)
+        chat.show(stored[:-1])  # as a regenerate of the last reply draws it
+        for _ in range(3):
+            await pilot.pause()
+        assert drawn_users(app) == [f"question {i}" for i in range(60 - FIRST // 2, 60)]
+        assert len(chat.by_seq) == FIRST and chat.scroll_y > 0
+
+
+async def test_a_click_on_the_earlier_line_draws_more(home, engine):
+    store = Store.open(paths.database_path())
+    long_conversation(store, "long", FIRST)  # 2 * FIRST messages: one click draws them all
+    store.close()
+    app = LocalchatApp(conversation="long",
+                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    # A tall terminal: what is drawn fits, so no scroll can reach the top: the line is how.
+    async with app.run_test(size=(120, 100)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        chat = app.query_one(ChatView)
+        assert chat.max_scroll_y == 0
+        assert len(drawn_users(app)) == FIRST // 2
+        await pilot.click(EarlierMessages)
+        await pilot.pause()
+        assert drawn_users(app) == [f"question {i}" for i in range(FIRST)]
+        assert not chat.query(EarlierMessages)
+
+
+async def test_a_tool_call_at_the_edge_of_what_is_drawn_comes_with_its_result(home, engine):
+    # 30 turns and one call: 62 messages; the first drawn (62 - FIRST = 38) is the call's
+    # result, so the reply that made the call is drawn too, with its block.
+    turns = 30
+    call_at = turns - FIRST // 2
+    store = Store.open(paths.database_path())
+    conv = long_conversation(store, "tools", turns, call_at=call_at)
+    messages = store.messages(conv)
+    assert messages[len(messages) - FIRST].role == "tool"
+    store.close()
+    app = LocalchatApp(conversation="tools",
+                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        blocks = list(app.query_one(ChatView).query(ToolCallBlock))
+        assert [(b.name_, b.outcome, b.result) for b in blocks] == [("clock", "ran", "09:00")]
+        assert drawn_users(app)[0] == f"question {call_at + 1}"
+
+
+async def test_a_search_opens_an_earlier_message_not_drawn_yet(home, engine):
+    store = Store.open(paths.database_path())
+    long_conversation(store, "long", 60, found_at=2)  # its seq: 5 (seq counts from 1)
+    store.close()
+    app = LocalchatApp(load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await app.workers.wait_for_complete()
+        await pilot.pause()
+        assert "Where is the Gyeongbokgung Palace?" not in drawn_users(app)
+        view = app.query_one("#conversations")
+        await pilot.click("#filter")
+        await pilot.press(*"Gyeongbokgung")
+        await pilot.pause()
+        found = [i for i in view.query(ConversationItem) if i.seq is not None]
+        assert len(found) == 1
+        view.index = list(view.children).index(found[0])
+        await pilot.press("enter")
+        await pilot.pause()
+        await pilot.pause()
+        chat = app.query_one(ChatView)
+        seq = found[0].seq
+        assert chat.by_seq[seq].has_class("found")
+        assert str(chat.by_seq[seq].render()) == "Where is the Gyeongbokgung Palace?"
+        users = drawn_users(app)
+        assert users[0] == "Where is the Gyeongbokgung Palace?" and len(users) == 58
+        assert str(chat.query_one(EarlierMessages).render()).startswith("↑ 4 earlier")
 
 
 # -- the cache view ----------------------------------------------------------------------------

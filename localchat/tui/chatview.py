@@ -6,7 +6,8 @@ Text is shown literally: a user's message is never parsed as markup (``a[i]``, `
 pictures (``fmt.visible``), never sent to the terminal.
 
 The view is anchored while a reply streams: it follows new text only while the user stays at
-the bottom (Textual's ``anchor``); scrolling up releases it.
+the bottom (Textual's ``anchor``); scrolling up releases it. A long conversation is drawn from
+its end: the earlier messages as the view reaches its top (``FIRST``, ``MORE``).
 """
 
 from __future__ import annotations
@@ -92,16 +93,45 @@ def summary_of(conv) -> str | None:
     return summary_in_force(conv, conv.context_overflow or DEFAULT)
 
 
+# A long conversation opens with its last FIRST messages drawn: each message is a widget to
+# build and lay out (Markdown for a reply), and at 78 messages drawing them all held the app's
+# model ready back 0.27 s, more with every turn. The earlier ones come MORE at a time when the
+# view reaches its top (scrolling, Home) or the line there is clicked, or when a search opens
+# one of them.
+FIRST = 24
+MORE = 48
+
+
+class EarlierMessages(Static):
+    """The line above the drawn messages: how many earlier ones are not drawn yet."""
+
+    def __init__(self, count: int):
+        super().__init__(self.says(count), markup=False, classes="earlier")
+
+    @staticmethod
+    def says(count: int) -> str:
+        s = "s" if count != 1 else ""
+        return f"↑ {count} earlier message{s}: scroll up or click to show"
+
+    def on_click(self) -> None:
+        self.parent.show_earlier()
+
+
 class ChatView(VerticalScroll):
     shown: tuple = ()  # what ``show`` drew last
     by_seq: dict = {}  # its message widgets by the messages' seq
+    _messages: list = []  # what ``show`` was given; those before ``_lo`` are not drawn yet
+    _lo = 0
+    _window: tuple = (0, None)  # (window_from, summary) of ``show``
+    _earlier: EarlierMessages | None = None
 
     def show(self, messages: list[Message], keep: bool = False, window_from: int = 0,
              summary: str | None = None) -> None:
-        """Draw ``messages``; ``keep``: leave the view (and its scroll) as it is when they are
-        what it shows already. ``window_from``: the first message the model still sees (the
-        conversation's window, ``window.py``); a marker stands before it, with ``summary``
-        (what stands for the messages before it) if any."""
+        """Draw ``messages`` (the last ``FIRST`` of them; see ``show_earlier``); ``keep``:
+        leave the view (and its scroll) as it is when they are what it shows already.
+        ``window_from``: the first message the model still sees (the conversation's window,
+        ``window.py``); a marker stands before it, with ``summary`` (what stands for the
+        messages before it) if any."""
         drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
         drawn += (window_from, summary)
         if keep and drawn == self.shown:
@@ -109,39 +139,92 @@ class ChatView(VerticalScroll):
         self.shown = drawn
         self.remove_children()
         self.by_seq: dict[int, object] = {}
+        self._messages, self._window = list(messages), (window_from, summary)
+        self._lo = _start_of(messages, len(messages) - FIRST)
+        self._earlier = EarlierMessages(self._lo) if self._lo else None
+        widgets = self._widgets(self._lo, len(messages))
+        if self._earlier is not None:
+            widgets.insert(0, self._earlier)
+        if widgets:
+            self.mount(*widgets)
+        self.scroll_end(animate=False)
+
+    def show_earlier(self, down_to: int | None = None) -> None:
+        """Draw the next ``MORE`` undrawn messages above the drawn ones (or every one from
+        index ``down_to`` on), keeping the view where it was."""
+        if self._lo == 0 or self._earlier is None:
+            return
+        hi = self._lo
+        lo = _start_of(self._messages, hi - MORE if down_to is None else down_to)
+        widgets = self._widgets(lo, hi)
+        first = self._earlier
+        self._lo = lo
+        if lo == 0:
+            self._earlier = None
+        if widgets:
+            self.mount(*widgets, after=first)
+        if self._earlier is None:
+            first.remove()
+        else:
+            self._earlier.update(EarlierMessages.says(lo))
+        if down_to is None and widgets:  # what was at the top stays there
+            below = next((w for w in self.children if w not in widgets and w is not first),
+                         None)
+            if below is not None:
+                self.call_after_refresh(self.scroll_to_widget, below, animate=False,
+                                        top=True)
+
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        if new_value <= 0 < old_value and self._earlier is not None:
+            self.show_earlier()
+
+    def _widgets(self, lo: int, hi: int) -> list:
+        """The widgets of messages ``[lo, hi)``, in order; their messages go in ``by_seq``."""
+        messages, (window_from, summary) = self._messages, self._window
+        out: list = []
         calls: list = []  # the blocks of calls whose results come next
-        for i, m in enumerate(messages):
+        for i in range(lo, hi):
+            m = messages[i]
             if i == window_from and 0 < i < len(messages):
-                self.mount(WindowMarker(window_from, summary))
+                out.append(WindowMarker(window_from, summary))
             if m.role == "user":
                 widget = UserMessage(m.content)
             elif m.role == "assistant":
                 if thought(m):
                     extra = m.extra or {}
-                    self.mount(ThinkingBlock(thought(m), seconds=extra.get("thinking_seconds"),
+                    out.append(ThinkingBlock(thought(m), seconds=extra.get("thinking_seconds"),
                                              tokens=extra.get("reasoning_tokens")))
                 widget = AssistantMessage(m.content + ("\n\n_(stopped)_" if m.partial else ""))
                 calls = call_blocks(m)
                 if calls:
                     self.by_seq[m.seq] = widget
-                    self.mount(widget, *calls)
+                    out += [widget, *calls]
                     continue
             elif m.role == "tool":
-                widget = calls.pop(0) if calls else ToolCallBlock("tool", {})
+                widget = calls.pop(0) if calls else None
+                if widget is None:
+                    widget = ToolCallBlock("tool", {})
+                    out.append(widget)
                 extra = m.extra or {}
                 widget.finish(str(extra.get("outcome", "ran")), m.content)
-                if widget.parent is None:
-                    self.mount(widget)
                 self.by_seq[m.seq] = widget
                 continue
             else:
                 continue
             self.by_seq[m.seq] = widget
-            self.mount(widget)
-        self.scroll_end(animate=False)
+            out.append(widget)
+        return out
 
     def show_message(self, seq: int) -> bool:
-        """Scroll to message ``seq`` (a search's match) and mark it; False if not shown."""
+        """Scroll to message ``seq`` (a search's match) and mark it, drawing it first if it
+        is among the earlier ones not drawn yet; False if it is not in the view."""
+        if seq not in self.by_seq:
+            at = next((i for i, m in enumerate(self._messages[:self._lo]) if m.seq == seq),
+                      None)
+            if at is None:
+                return False
+            self.show_earlier(down_to=at)
         widget = self.by_seq.get(seq)
         if widget is None:
             return False
@@ -172,3 +255,12 @@ def thought(m: Message) -> str:
     """A stored reply's thinking ("" if none)."""
     value = (m.extra or {}).get("reasoning_content")
     return value if isinstance(value, str) else ""
+
+
+def _start_of(messages: list[Message], i: int) -> int:
+    """``i`` (at least 0), moved back past tool results to the reply whose calls they answer
+    (a call and its result are drawn together)."""
+    i = max(i, 0)
+    while i > 0 and messages[i].role == "tool":
+        i -= 1
+    return i
