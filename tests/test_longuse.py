@@ -102,10 +102,11 @@ async def test_a_sidebar_of_many_conversations_shows_a_page_at_a_time(home, engi
         assert chat.by_seq[3].has_class("found")
 
 
-def long_conversation(store: Store, name: str, turns: int, call_at: int | None = None,
-                      found_at: int | None = None):
-    """``turns`` questions and answers; after question ``call_at`` a tool call and its
-    result; question ``found_at`` names a palace (a search's match)."""
+def long_conversation(name: str, turns: int, call_at: int | None = None,
+                      found_at: int | None = None) -> list:
+    """Store ``turns`` questions and answers; after question ``call_at`` a tool call and its
+    result; question ``found_at`` names a palace (a search's match). Its messages."""
+    store = Store.open(paths.database_path())
     conv = store.create(name, "m")
     for i in range(turns):
         store.add_message(conv, "user", "Where is the Gyeongbokgung Palace?" if i == found_at
@@ -117,7 +118,19 @@ def long_conversation(store: Store, name: str, turns: int, call_at: int | None =
             store.add_message(conv, "tool", "09:00", extra={
                 "tool_call_id": "c1", "name": "clock", "outcome": "ran"})
         store.add_message(conv, "assistant", f"answer {i}")
-    return conv
+    messages = store.messages(conv)
+    store.close()
+    return messages
+
+
+def app_on(engine, name: str | None = None) -> LocalchatApp:
+    return LocalchatApp(conversation=name,
+                        load_engine=lambda model, progress: ScriptedEngine(engine, []))
+
+
+async def opened(app, pilot) -> None:
+    await app.workers.wait_for_complete()
+    await pilot.pause()
 
 
 def drawn_users(app) -> list[str]:
@@ -127,14 +140,10 @@ def drawn_users(app) -> list[str]:
 async def test_a_long_conversation_opens_at_its_end_and_draws_earlier_messages_on_the_way_up(
         home, engine):
     turns = 60  # 120 messages: FIRST drawn, then MORE at a time
-    store = Store.open(paths.database_path())
-    long_conversation(store, "long", turns)
-    store.close()
-    app = LocalchatApp(conversation="long",
-                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    long_conversation("long", turns)
+    app = app_on(engine, "long")
     async with app.run_test(size=(120, 40)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         chat = app.query_one(ChatView)
         everyone = [f"question {i}" for i in range(turns)]
         assert drawn_users(app) == everyone[-FIRST // 2:]
@@ -156,14 +165,10 @@ async def test_a_long_conversation_opens_at_its_end_and_draws_earlier_messages_o
         assert not chat.query(EarlierMessages)
         assert sorted(chat.by_seq) == [m.seq for m in app.store.messages(app.current)]
     # A conversation that fits is drawn whole, with no line above it (control).
-    store = Store.open(paths.database_path())
-    long_conversation(store, "short", FIRST // 2)
-    store.close()
-    app = LocalchatApp(conversation="short",
-                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    long_conversation("short", FIRST // 2)
+    app = app_on(engine, "short")
     async with app.run_test(size=(120, 40)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         assert drawn_users(app) == [f"question {i}" for i in range(FIRST // 2)]
         assert not app.query_one(ChatView).query(EarlierMessages)
 
@@ -171,14 +176,10 @@ async def test_a_long_conversation_opens_at_its_end_and_draws_earlier_messages_o
 async def test_a_redraw_of_a_scrolled_view_draws_its_end_again(home, engine):
     """A redraw (a regenerate, an edit, a message another process added) empties the view,
     which scrolls it to its top on the way: that is not the user asking for more."""
-    store = Store.open(paths.database_path())
-    long_conversation(store, "long", 60)
-    store.close()
-    app = LocalchatApp(conversation="long",
-                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    long_conversation("long", 60)
+    app = app_on(engine, "long")
     async with app.run_test(size=(120, 40)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         chat = app.query_one(ChatView)
         assert chat.scroll_y > 0
         stored = app.store.messages(app.current)
@@ -190,15 +191,11 @@ async def test_a_redraw_of_a_scrolled_view_draws_its_end_again(home, engine):
 
 
 async def test_a_click_on_the_earlier_line_draws_more(home, engine):
-    store = Store.open(paths.database_path())
-    long_conversation(store, "long", FIRST)  # 2 * FIRST messages: one click draws them all
-    store.close()
-    app = LocalchatApp(conversation="long",
-                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    long_conversation("long", FIRST)  # 2 * FIRST messages: one click draws them all
+    app = app_on(engine, "long")
     # A tall terminal: what is drawn fits, so no scroll can reach the top: the line is how.
     async with app.run_test(size=(120, 100)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         chat = app.query_one(ChatView)
         assert chat.max_scroll_y == 0
         assert len(drawn_users(app)) == FIRST // 2
@@ -213,29 +210,21 @@ async def test_a_tool_call_at_the_edge_of_what_is_drawn_comes_with_its_result(ho
     # result, so the reply that made the call is drawn too, with its block.
     turns = 30
     call_at = turns - FIRST // 2
-    store = Store.open(paths.database_path())
-    conv = long_conversation(store, "tools", turns, call_at=call_at)
-    messages = store.messages(conv)
+    messages = long_conversation("tools", turns, call_at=call_at)
     assert messages[len(messages) - FIRST].role == "tool"
-    store.close()
-    app = LocalchatApp(conversation="tools",
-                       load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    app = app_on(engine, "tools")
     async with app.run_test(size=(120, 40)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         blocks = list(app.query_one(ChatView).query(ToolCallBlock))
         assert [(b.name_, b.outcome, b.result) for b in blocks] == [("clock", "ran", "09:00")]
         assert drawn_users(app)[0] == f"question {call_at + 1}"
 
 
 async def test_a_search_opens_an_earlier_message_not_drawn_yet(home, engine):
-    store = Store.open(paths.database_path())
-    long_conversation(store, "long", 60, found_at=2)  # its seq: 5 (seq counts from 1)
-    store.close()
-    app = LocalchatApp(load_engine=lambda name, progress: ScriptedEngine(engine, []))
+    long_conversation("long", 60, found_at=2)
+    app = app_on(engine)
     async with app.run_test(size=(120, 40)) as pilot:
-        await app.workers.wait_for_complete()
-        await pilot.pause()
+        await opened(app, pilot)
         assert "Where is the Gyeongbokgung Palace?" not in drawn_users(app)
         view = app.query_one("#conversations")
         await pilot.click("#filter")
