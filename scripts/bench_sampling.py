@@ -13,7 +13,10 @@ Korea → 서울/Seoul).
 
 Usage: python scripts/bench_sampling.py [--quick | --smoke] [-m MODEL]
        [--temps 0.2,0.7] [--seeds N] [--max-tokens N] [--prompts LABEL,...] [--log FILE]
-       [--repetition-penalty P]
+       [--repetition-penalty P] [--uncut]
+``--uncut``: the loop check is off while the replies run, and then asked of each reply token
+by token: where it would have cut the replies that ran to the cap, and whether it would have
+cut any reply that ended on its own (it must not).
 Full: the first four prompts (``--prompts`` names any, e.g. the three that repeat by nature:
 count,days,hello), 20 seeds per temperature and prompt, 512-token cap; ``--quick``: 5
 seeds; ``--smoke``: 2 seeds, 2 prompts, 16 tokens, for a tiny model
@@ -89,7 +92,12 @@ def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int,
             done = event
     session.delete(conv)
     return {"finish": done.finish, "tokens": done.usage.completion_tokens, "loop_cut": cut,
-            "reply": done.reply}
+            "reply": done.reply, "ids": list(done.tokens)}
+
+
+def would_cut_at(ids: list[int], looping) -> int | None:
+    """How many tokens into ``ids`` the loop check would cut, or None."""
+    return next((n for n in range(1, len(ids) + 1) if looping(ids[:n])), None)
 
 
 def summary(temp: float, label: str, right_reply, runs: list[dict]) -> dict:
@@ -114,6 +122,8 @@ def main() -> None:
                     help="mlx-lm's repetition penalty for the sampled runs (1: off)")
     ap.add_argument("--prompts", default="", metavar="LABEL,...",
                     help=f"only these prompts (of {', '.join(p[0] for p in PROMPTS)})")
+    ap.add_argument("--uncut", action="store_true",
+                    help="run replies past the loop check; say where it would cut")
     ap.add_argument("--log", default="", metavar="FILE",
                     help="append each run (temperature, seed, prompt, finish, reply) as JSON")
     args = ap.parse_args()
@@ -124,8 +134,12 @@ def main() -> None:
         prompts = [p for p in PROMPTS if p[0] in args.prompts.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     benchlib.scratch_home()
+    import localchat.generation as generation
     from localchat.session import open_session
 
+    looping = generation.looping
+    if args.uncut:
+        generation.looping = lambda ids, *a, **k: 0
     session = open_session(args.model)
     runs: dict[tuple[float, str], list[dict]] = {}
     log = open(args.log, "a", encoding="utf-8") if args.log else None
@@ -136,6 +150,9 @@ def main() -> None:
         for temp, seed in plan:
             for label, prompt, _ in prompts:
                 r = run_prompt(session, prompt, temp, seed, cap, args.repetition_penalty)
+                if args.uncut and temp > 0:
+                    r["would_cut_at"] = would_cut_at(r["ids"], looping)
+                del r["ids"]
                 runs.setdefault((temp, label), []).append(r)
                 if log:
                     print(json.dumps({"temp": temp, "seed": seed, "prompt": label, **r},
@@ -144,6 +161,7 @@ def main() -> None:
         session.close()
         if log:
             log.close()
+    runs_by = runs
     results = [summary(temp, label, answers, runs[temp, label])
                for temp in [0.0, *temps] for label, _, answers in prompts]
     rows = [[r["temp"], r["prompt"], r["runs"], r["ended"], r["loop_cut"], r["at_cap"],
@@ -164,6 +182,15 @@ def main() -> None:
     for temp, t in totals.items():
         print(f"temp {temp}: {t['ended']}/{t['runs']} ended on their own, {t['loop_cut']} loop "
               f"cuts, {t['at_cap']} at the cap")
+    if args.uncut:  # (the check was off: every loop ran to the cap)
+        for temp in temps:
+            mine = [r for (t, _), rs in runs_by.items() if t == temp for r in rs]
+            at = sorted(r["would_cut_at"] for r in mine if r["finish"] != "stop"
+                        and r["would_cut_at"] is not None)
+            wrong = sum(r["finish"] == "stop" and r["would_cut_at"] is not None for r in mine)
+            totals[str(temp)].update(would_cut_at=at, would_cut_ended=wrong)
+            print(f"temp {temp}, loop check off: it would cut {len(at)} of the replies at the "
+                  f"cap, at {at} tokens, and {wrong} of those that ended on their own")
     benchlib.print_json({"bench": "sampling", "mode": benchlib.mode(args),
                          "model": args.model or "default", "machine": benchlib.machine(),
                          "cap": cap, "seeds": seeds, "top_p": 0.9,

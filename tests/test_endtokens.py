@@ -195,27 +195,47 @@ LOOP = "Paris." + ", laQUEE" * 60  # how the default model's runaway reply ended
 
 def test_a_reply_stuck_in_a_loop_is_cut_with_a_notice_and_the_next_turn_appends(
         engine, home, store):
+    import re
+
     from localchat.events import Notice
-    from localchat.generation import LOOP_SPAN
+    from localchat.generation import LOOP_LEAST, LOOP_PERIOD, LOOP_REPEATS, loop_span
 
     after = "Seoul, la France, le Canada, la France, le Canada."  # repeats, but no loop
-    scripted = ScriptedEngine(engine, [LOOP, after, LOOP])
+    # Repeats a reply means, under the loop's size: four copies of a short stretch in fewer
+    # than LOOP_LEAST tokens, and three copies (not LOOP_REPEATS) of a long line.
+    hellos = " ".join(["hello"] * 12)
+    lines = "Three times:" + " The old bridge was rebuilt." * 3
+    copy = len(engine.encode(" The old bridge was rebuilt."))
+    assert len(engine.encode(hellos)) < LOOP_LEAST <= 3 * copy <= 3 * LOOP_PERIOD
+    assert LOOP_REPEATS == 4
+    scripted = ScriptedEngine(engine, [LOOP, after, hellos, lines, LOOP])
     session = Session(store, scripted, paths.kv_root(), paths.locks_dir())
     conv = session.conversation("loop")
     sampled = TurnOptions(max_tokens=1024, temp=0.7)  # (the scripted model ignores it)
     events = list(session.turn(conv, "What is the capital of France?", sampled))
     done, notes = events[-1], [e.text for e in events if isinstance(e, Notice)]
     whole = len(engine.encode(LOOP))
-    assert done.finish == "length" and LOOP_SPAN <= len(done.tokens) < LOOP_SPAN + 40 < whole
-    assert [n for n in notes if "repeated" in n] and "\n" not in notes[-1]
+    said = [re.fullmatch(r"reply cut: it repeated the same (\d+) tokens over its last (\d+)", n)
+            for n in notes]
+    said = [m for m in said if m]
+    assert len(said) == 1 and "\n" not in notes[-1]
+    period, span = int(said[0][1]), int(said[0][2])
+    assert span == loop_span(period) and period <= len(engine.encode(", laQUEE")) + 1
+    head = len(engine.encode("Paris."))
+    assert done.finish == "length" and span <= len(done.tokens) <= head + span + 2 * period
+    assert len(done.tokens) < whole
     assert store.messages(conv)[-1].content == done.reply and done.reply.startswith("Paris.")
     # The cache holds the cut reply exactly: the next turn appends to it.
     nxt = list(session.turn(conv, "And of Korea?", sampled))[-1]
     u = done.usage
     assert nxt.usage.cached_tokens >= u.prompt_tokens + u.completion_tokens - 2
-    # Negative controls: a reply that repeats a phrase a few times runs to its end, and a
+    # Negative controls: replies that repeat a phrase a few times run to their end, and a
     # greedy one (ask, batch: scripts) is left as the model wrote it.
     assert nxt.finish == "stop" and nxt.reply == after
+    for text in (hellos, lines):
+        turn = list(session.turn(conv, "Again?", sampled))
+        assert turn[-1].finish == "stop" and turn[-1].reply == text
+        assert not [e for e in turn if isinstance(e, Notice) and "repeated" in e.text]
     events = list(session.turn(session.conversation("greedy"), "Again?",
                                TurnOptions(max_tokens=1024)))
     assert events[-1].reply == LOOP and len(events[-1].tokens) == whole + 1  # (and its EOS)

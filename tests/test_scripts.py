@@ -250,3 +250,31 @@ def test_cluster_script_model_splits_both_ways(home: Path, tmp_path: Path):
     cache = engine.new_cache()
     logits = bench.benchlib.prefill(engine, engine.encode("Hello there"), cache)
     assert len(list(engine.decode(cache, logits, 3))) >= 1
+
+
+def test_sampling_uncut_says_where_the_loop_check_would_cut(bench_model: Path, tmp_path: Path):
+    """``bench_sampling --uncut``: replies run past the loop check, which is then asked token
+    by token (``would_cut_at``): a loop is placed where the check fires, a repeat under its
+    size is not."""
+    import importlib.util
+
+    from localchat.generation import LOOP_LEAST, looping
+
+    spec = importlib.util.spec_from_file_location("bench_sampling",
+                                                  SCRIPTS / "bench_sampling.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.would_cut_at([1, 2] + [7, 8] * 40, looping) == 2 + LOOP_LEAST
+    assert bench.would_cut_at([7, 8] * (LOOP_LEAST // 2 - 1), looping) is None
+    env = {**os.environ, "LOCALCHAT_HOME": str(tmp_path / "home"),
+           "TOKENIZERS_PARALLELISM": "false"}
+    out = subprocess.run([sys.executable, str(SCRIPTS / "bench_sampling.py"), "--smoke",
+                          "--uncut", "-m", str(bench_model)], env=env, capture_output=True,
+                         text=True, timeout=TIMEOUT, cwd=SCRIPTS.parent)
+    assert out.returncode == 0, out.stderr[-4000:]
+    record = json.loads(out.stdout.strip().splitlines()[-1])
+    for temp in ("0.2", "0.7"):
+        t = record["totals"][temp]
+        assert isinstance(t["would_cut_at"], list) and t["would_cut_ended"] >= 0
+        assert t["loop_cut"] == 0  # (the check was off while they ran)
+    assert "loop check off: it would cut" in out.stdout
