@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -434,8 +435,16 @@ def test_chat_app_follower_lost_leaves_the_screen_then_one_line(models, tmp_path
     from ptyapp import PtyApp
 
     home = tmp_path / "home"
+    # Greedy (the model says so, as a Hub model's generation_config.json can), so the reply is
+    # one known run that does not end within the test's half second: sampled, the tiny
+    # model's random EOS once ended it before the kill (then nothing was partial).
+    model = tmp_path / "llama"
+    shutil.copytree(models["llama"], model)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert ask(home, model, "probe", "tell me a long story",
+               max_tokens=200)["usage"]["completion_tokens"] == 200
     app = PtyApp([sys.executable, "-m", "localchat", "chat", "-c", "c", "-m",
-                  str(models["llama"]), "--hosts", HOSTS], _env(home), rows=40, cols=120)
+                  str(model), "--hosts", HOSTS], _env(home), rows=40, cols=120)
     try:
         app.wait_for(b"\x1b[?1049h", 60)  # the app took the screen
         app.wait_for(b"ctx ", 60)  # the status bar shows the context once the model is loaded
