@@ -161,7 +161,6 @@ def main() -> None:
         session.close()
         if log:
             log.close()
-    runs_by = runs
     results = [summary(temp, label, answers, runs[temp, label])
                for temp in [0.0, *temps] for label, _, answers in prompts]
     rows = [[r["temp"], r["prompt"], r["runs"], r["ended"], r["loop_cut"], r["at_cap"],
@@ -170,8 +169,8 @@ def main() -> None:
     totals = {}
     for temp in temps:
         mine = [r for r in results if r["temp"] == temp]
-        runs = sum(r["runs"] for r in mine)
-        totals[str(temp)] = {"runs": runs, "ended": sum(r["ended"] for r in mine),
+        count = sum(r["runs"] for r in mine)
+        totals[str(temp)] = {"runs": count, "ended": sum(r["ended"] for r in mine),
                              "loop_cut": sum(r["loop_cut"] for r in mine),
                              "at_cap": sum(r["at_cap"] for r in mine)}
     print(f"# {benchlib.machine()}; cap {cap} tokens, top-p 0.9, repetition penalty "
@@ -184,7 +183,7 @@ def main() -> None:
               f"cuts, {t['at_cap']} at the cap")
     if args.uncut:  # (the check was off: every loop ran to the cap)
         for temp in temps:
-            mine = [r for (t, _), rs in runs_by.items() if t == temp for r in rs]
+            mine = [r for (t, _), rs in runs.items() if t == temp for r in rs]
             at = sorted(r["would_cut_at"] for r in mine if r["finish"] != "stop"
                         and r["would_cut_at"] is not None)
             wrong = sum(r["finish"] == "stop" and r["would_cut_at"] is not None for r in mine)

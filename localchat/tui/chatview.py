@@ -158,6 +158,8 @@ class ChatView(VerticalScroll):
         lo = _start_of(self._messages, hi - MORE if down_to is None else down_to)
         widgets = self._widgets(lo, hi)
         first = self._earlier
+        drawn = list(self.children)
+        below = drawn[drawn.index(first) + 1] if drawn.index(first) + 1 < len(drawn) else None
         self._lo = lo
         if lo == 0:
             self._earlier = None
@@ -167,12 +169,8 @@ class ChatView(VerticalScroll):
             first.remove()
         else:
             self._earlier.update(EarlierMessages.says(lo))
-        if down_to is None and widgets:  # what was at the top stays there
-            below = next((w for w in self.children if w not in widgets and w is not first),
-                         None)
-            if below is not None:
-                self.call_after_refresh(self.scroll_to_widget, below, animate=False,
-                                        top=True)
+        if down_to is None and widgets and below is not None:  # what was at the top stays
+            self.call_after_refresh(self.scroll_to_widget, below, animate=False, top=True)
 
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
