@@ -216,10 +216,13 @@ def test_a_summary_read_back_from_any_row_is_a_text_or_none(tmp_path):
         store.db.execute("UPDATE conversations SET summary = ?, summary_upto = ? WHERE id = ?",
                          (summary, upto, conv.id))
         got = store.get("c")
+        # (what the row holds: SQLite's column affinity turns 0 into '0' and '4' into 4)
+        held, at = store.db.execute("SELECT summary, summary_upto FROM conversations "
+                                    "WHERE id = ?", (conv.id,)).fetchone()
         for policy in ("summarize", "truncate", "stop"):
             s = summary_in_force(got, policy)
-            assert s is None or (policy == "summarize" and s == summary and upto == 4
-                                 and type(upto) is int)
+            assert s is None or (policy == "summarize" and s == held and type(s) is str
+                                 and at == 4 and type(at) is int)
             history = with_summary([{"role": "user", "content": "hi"}], s)
             assert history[-1] == {"role": "user", "content": "hi"}
 
