@@ -311,3 +311,20 @@ async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, t
     assert main(["inspect", "-c", "trip", "-m", str(folder)]) == 0
     text = capsys.readouterr().out
     assert "checkpoints" in text and "time saved" in text
+
+
+async def test_a_change_by_another_process_while_the_app_closes_is_no_exception(home, engine):
+    """Textual removes the widgets before it stops the app's timer: a change another process
+    wrote in that moment reached the sidebar's lost filter box (CI at 483653f: NoMatches
+    raised out of the app). Here the moment is made: the widgets gone, a change pending."""
+    long_conversation("c", 2)
+    app = app_on(engine, "c")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await opened(app, pilot)
+        other = Store.open(paths.database_path())
+        other.update(other.get("c"), name="renamed")
+        other.close()
+        await app.query_one(Sidebar).query_one("#filter").remove()
+        await app.query_one(ChatView).remove()
+        app.poll_changes()  # (raised NoMatches before the guard)
+        assert app.current.name == "renamed"

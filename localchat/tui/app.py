@@ -25,6 +25,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
@@ -173,8 +174,13 @@ class LocalchatApp(Actions, App):
         seen = self.store.changes()
         if seen != self._seen_changes:
             self._seen_changes = seen
-            if self.sync_current():
-                self.refresh_sidebar()
+            try:
+                if self.sync_current():
+                    self.refresh_sidebar()
+            except NoMatches:
+                # The app is closing: Textual removes the widgets before it stops this
+                # timer, and a change that lands in that moment has nothing to show on.
+                pass
 
     def sync_current(self) -> bool:
         """Bring the open conversation up to what is stored; False when another process
