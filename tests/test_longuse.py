@@ -313,18 +313,40 @@ async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, t
     assert "checkpoints" in text and "time saved" in text
 
 
-async def test_a_change_by_another_process_while_the_app_closes_is_no_exception(home, engine):
-    """Textual removes the widgets before it stops the app's timer: a change another process
-    wrote in that moment reached the sidebar's lost filter box (CI at 483653f: NoMatches
-    raised out of the app). Here the moment is made: the widgets gone, a change pending."""
+
+async def test_what_threads_post_while_the_test_harness_closes_the_app_is_no_exception(
+        home, engine):
+    """``run_test`` shuts the app down while its message loop still runs (a real quit ends
+    the loop first): a worker's message or the 1 s poll handled then met removed widgets
+    (CI at 483653f: NoMatches for '#filter' at teardown). Here messages keep coming from a
+    thread, and other processes keep writing, through the whole shutdown."""
+    import threading
+
+    from localchat.tui.messages import ModelProgressed, PrefillAdvanced, TurnNoticed
+
     long_conversation("c", 2)
     app = app_on(engine, "c")
+    stop = threading.Event()
+
+    def flood() -> None:
+        other = Store.open(paths.database_path())
+        conv = other.get("c")
+        i = 0
+        while not stop.is_set():
+            i += 1
+            for msg in (ModelProgressed(f"step {i}"), PrefillAdvanced(i, i + 1),
+                        TurnNoticed(f"note {i}")):
+                app.post_message(msg)
+            if i % 50 == 0:
+                conv = other.update(conv, name=f"c{i}")
+            stop.wait(0.001)
+        other.close()
+
+    thread = threading.Thread(target=flood, daemon=True)
     async with app.run_test(size=(120, 40)) as pilot:
         await opened(app, pilot)
-        other = Store.open(paths.database_path())
-        other.update(other.get("c"), name="renamed")
-        other.close()
-        await app.query_one(Sidebar).query_one("#filter").remove()
-        await app.query_one(ChatView).remove()
-        app.poll_changes()  # (raised NoMatches before the guard)
-        assert app.current.name == "renamed"
+        thread.start()
+        await pilot.pause(1.2)  # (the poll has seen a change)
+    stop.set()
+    thread.join(5)
+

@@ -18,6 +18,8 @@ one line naming it (``run.py``); exit status 1.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,7 +27,6 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.css.query import NoMatches
 from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
@@ -59,6 +60,25 @@ from .tooling import AppTools, ToolCallPosted
 from .turnworker import run_turn
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
+def while_open(handler: Callable) -> Callable:
+    """For what arrives from the worker threads and the timers: dropped once Textual has begun
+    to close the app. A quit ends the message loop before the widgets go; a shutdown begun
+    outside the loop (``App.run_test``'s) removes them while messages are still handled, and
+    a handler would look for a widget that is gone (``NoMatches``, found by CI at 483653f)."""
+    if inspect.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def run_async(app: LocalchatApp, *args):
+            if app.is_open:
+                return await handler(app, *args)
+        return run_async
+
+    @functools.wraps(handler)
+    def run(app: LocalchatApp, *args):
+        if app.is_open:
+            return handler(app, *args)
+    return run
+
+
 class LocalchatApp(Actions, App):
     CSS_PATH = "app.tcss"
     TITLE = "localchat"
@@ -133,6 +153,12 @@ class LocalchatApp(Actions, App):
         yield StatusBar(id="status")
         yield Footer()
 
+    @property
+    def is_open(self) -> bool:
+        """False from the start of Textual's shutdown (its own flag: the app runs), when the
+        widgets may already be gone (``while_open``)."""
+        return self._running
+
     def on_mount(self) -> None:
         try:
             self.store = Store.open(paths.database_path())
@@ -167,6 +193,7 @@ class LocalchatApp(Actions, App):
         self.query_one(Sidebar).set_conversations(
             self.store.list(), self.current.name if self.current else None)
 
+    @while_open
     def poll_changes(self) -> None:
         """Follow what other processes wrote since the last poll (one cheap query)."""
         if self.store is None:
@@ -174,13 +201,8 @@ class LocalchatApp(Actions, App):
         seen = self.store.changes()
         if seen != self._seen_changes:
             self._seen_changes = seen
-            try:
-                if self.sync_current():
-                    self.refresh_sidebar()
-            except NoMatches:
-                # The app is closing: Textual removes the widgets before it stops this
-                # timer, and a change that lands in that moment has nothing to show on.
-                pass
+            if self.sync_current():
+                self.refresh_sidebar()
 
     def sync_current(self) -> bool:
         """Bring the open conversation up to what is stored; False when another process
@@ -277,9 +299,11 @@ class LocalchatApp(Actions, App):
             self.want_overflow = None
         self.post_message(ModelLoaded(info, tuple(session.start_notices())))
 
+    @while_open
     def on_model_progressed(self, msg: ModelProgressed) -> None:
         self.query_one(StatusBar).activity = msg.text
 
+    @while_open
     def on_model_loaded(self, msg: ModelLoaded) -> None:
         self.busy = False
         # Store the resolved name (an absolute folder, say), as `ask` does.
@@ -296,6 +320,7 @@ class LocalchatApp(Actions, App):
         self.drafts.show_count()
         self.drafts.schedule()
 
+    @while_open
     def on_model_failed(self, msg: ModelFailed) -> None:
         self.busy = False
         self._loaded_model = None
@@ -350,9 +375,11 @@ class LocalchatApp(Actions, App):
                     cancel: Cancel) -> None:
         self.mlx.call(run_turn, self, conv, prompt, kind, cancel)  # after a draft's chunk
 
+    @while_open
     def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
         self.query_one(StatusBar).activity = f"prefilling {msg.done}/{msg.total} tokens…"
 
+    @while_open
     def on_reasoning_streamed(self, msg: ReasoningStreamed) -> None:
         if self._reply is None:
             return
@@ -361,6 +388,7 @@ class LocalchatApp(Actions, App):
         self._thinking.add(msg.text)
         self.query_one(StatusBar).reply_grew(msg.generated, msg.thinking, msg.at)
 
+    @while_open
     async def on_reply_streamed(self, msg: ReplyStreamed) -> None:
         self.query_one(StatusBar).reply_grew(msg.generated, msg.thinking, msg.at)
         if self._thinking is not None:
@@ -368,12 +396,15 @@ class LocalchatApp(Actions, App):
         if self._stream is not None:
             await self._stream.write(msg.text)
 
+    @while_open
     async def on_tool_call_posted(self, msg: ToolCallPosted) -> None:
         await self.tool_box.show(msg.event)
 
+    @while_open
     def on_turn_noticed(self, msg: TurnNoticed) -> None:
         self.notify(msg.text, severity="warning")
 
+    @while_open
     async def on_turn_finished_msg(self, msg: TurnFinishedMsg) -> None:
         await self._end_stream()
         if self._thinking is not None:
@@ -391,6 +422,7 @@ class LocalchatApp(Actions, App):
         self.drafts.show_count()  # (the hint of a message sent too early goes)
         self.drafts.schedule()  # what was typed during the reply
 
+    @while_open
     async def on_turn_failed(self, msg: TurnFailed) -> None:
         await self._end_stream()
         self._reply = self._thinking = None
@@ -421,6 +453,7 @@ class LocalchatApp(Actions, App):
         self.drafts.show_count()
         self.drafts.schedule()
 
+    @while_open
     def on_draft_advanced(self, msg: DraftAdvanced) -> None:
         self.drafts.advanced(msg)
 
