@@ -172,6 +172,7 @@ class TurnFinished:
     stop_sequence: str | None = None  # the stop string that ended it
     tool_calls: tuple[dict, ...] = ()  # {"type": "function", "function": {name, arguments}}
     reasoning: str = ""  # the model's reasoning before ``reply`` (a reasoning model's)
+    thinking_s: float = 0.0  # what the reasoning took, as stored with the reply (0.1 s steps)
 
 
 @dataclass(frozen=True)

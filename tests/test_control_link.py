@@ -102,7 +102,7 @@ def test_read_line_refuses_silence_trickles_floods_and_closing():
         assert 0.25 < time.monotonic() - t < 2
 
         def trickle() -> None:
-            for _ in range(8):
+            for _ in range(25):  # 2.5 s of bytes: a deadline that moved would wait for them
                 b.sendall(b"x")
                 time.sleep(0.1)
 
@@ -111,7 +111,7 @@ def test_read_line_refuses_silence_trickles_floods_and_closing():
         t = time.monotonic()
         with pytest.raises(Refused, match="in time"):  # bytes keep coming, the deadline holds
             control.read_line(a, time.monotonic() + 0.3)
-        assert time.monotonic() - t < 0.6
+        assert time.monotonic() - t < 1.5  # (0.3 s and a loaded machine's scheduling)
         trickling.join(5)
     a, b = socket.socketpair()
     with a, b:
@@ -231,7 +231,7 @@ def test_followers_get_in_past_strangers_that_get_nothing(tmp_path, monkeypatch)
         control.handshake_follower(f, SECRET, rank, control.hello_timeout())
     assert accepted.wait(10)
     joined = time.monotonic() - t
-    assert joined < 1.5, joined  # not the silent stranger's 3 s
+    assert joined < 2.5, joined  # not the silent stranger's 3 s
     for link in links:  # the links work: rank 0's calls reach the followers
         link.send({"op": "turn", "seq": 1, "prompt": "secret plans"})
     for f in followers:

@@ -342,7 +342,8 @@ def test_ctrl_c_mid_reply_saves_the_partial_reply(home, tiny_model, store, engin
         [sys.executable, HELPER, "slow-decode", "--", "ask", "-m", str(tiny_model), "-c", "int",
          "--max-tokens", "200", "Talk for a while"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(4)
+    assert proc.stdout.read(1)  # the reply streams (a fixed 4 s wait could end before it)
+    time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

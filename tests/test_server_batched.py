@@ -152,7 +152,9 @@ def test_a_client_killed_mid_stream_leaves_the_others_alone(models, tmp_path):
         t.join(180)
     assert [out.get(i) for i in range(3)] == reference
     conv, last = gone_client_reply(tmp_path / "home")
-    assert last.role == "assistant" and last.partial and conv.tokens < 400, conv.tokens
+    # (far short of the ~930 a finished reply holds; 0.3 s of decode on a fast machine is
+    # a few hundred tokens of the tiny model)
+    assert last.role == "assistant" and last.partial and conv.tokens < 600, conv.tokens
     assert cached_after_gone_client(s, last) >= conv.tokens - 2
     assert s.stop() == 0
     assert "Traceback" not in s.err

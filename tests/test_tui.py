@@ -32,7 +32,9 @@ def users(app) -> list[str]:
 
 
 async def test_send_streams_markdown_and_shows_usage(make_app):
-    app, _ = make_app(["# Paris\n\n- the capital\n- of France"])
+    # (draft prefill off: a pause of 0.3 s while typing would prefill part of the message,
+    # counted in the hit; its own tests are in test_drafts.py)
+    app, _ = make_app(["# Paris\n\n- the capital\n- of France"], draft_prefill=False)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
         await type_and_send(pilot, "What is the capital of France?")
@@ -66,7 +68,7 @@ async def test_multiline_input_and_korean(make_app):
 
 async def test_stop_keeps_partial_reply_and_consistent_cache(make_app):
     long = " ".join(f"word{i}" for i in range(200))  # (no loop for the loop cut to find)
-    app, _ = make_app([long, "next"], delay=0.01)
+    app, _ = make_app([long, "next"], delay=0.01, draft_prefill=False)  # (as above)
     async with app.run_test(size=(120, 40)) as pilot:
         await settle(app, pilot)
         await type_and_send(pilot, "Talk a lot")

@@ -408,7 +408,7 @@ class LocalchatApp(Actions, App):
     async def on_turn_finished_msg(self, msg: TurnFinishedMsg) -> None:
         await self._end_stream()
         if self._thinking is not None:
-            self._thinking.finish(msg.usage.reasoning_tokens)
+            self._thinking.finish(msg.usage.reasoning_tokens, msg.thinking_s)
         self._reply = self._thinking = None
         if msg.stopped:
             chat = self.query_one(ChatView)

@@ -46,7 +46,7 @@ class ThinkingBlock(Collapsible):
         self.text = text
         self.body = Static(visible(text), markup=False, classes="thought")
         self.started = time.monotonic() if live else None
-        self.seconds: float | None = None
+        self.seconds: float | None = None if live else seconds
         super().__init__(self.body, title="Thinking…" if live else _title(seconds, tokens),
                          collapsed=True)
 
@@ -62,8 +62,12 @@ class ThinkingBlock(Collapsible):
             self.seconds = time.monotonic() - self.started
             self.title = f"Thought for {self.seconds:.0f} s"
 
-    def finish(self, tokens: int) -> None:
+    def finish(self, tokens: int, seconds: float | None = None) -> None:
+        """The reply is done: ``seconds`` is what the reasoning took as stored with it (the
+        session's clock), so the title stays the same when the reply is drawn again."""
         self.done_thinking()
+        if seconds is not None:
+            self.seconds = seconds
         self.title = _title(self.seconds, tokens)
 
 

@@ -81,6 +81,7 @@ class TurnFinishedMsg(Message):
     usage: Usage
     reply: str
     stopped: bool
+    thinking_s: float = 0.0  # as stored with the reply: the fold's title shows it
 
 
 @dataclass

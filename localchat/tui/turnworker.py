@@ -68,9 +68,11 @@ def run_turn(app, conv: Conversation, prompt: str | None, kind: str, cancel: Can
             elif isinstance(ev, TurnFinished):
                 last = ev
                 if not ev.tool_calls:
-                    app.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped))
+                    app.post_message(TurnFinishedMsg(ev.usage, ev.reply, ev.stopped,
+                                                     ev.thinking_s))
         if last is not None and last.tool_calls:  # ...unless no reply followed it
-            app.post_message(TurnFinishedMsg(last.usage, last.reply, last.stopped))
+            app.post_message(TurnFinishedMsg(last.usage, last.reply, last.stopped,
+                                             last.thinking_s))
     except LocalchatError as err:
         app.post_message(TurnFailed(str(err), prompt))
     except Exception as err:  # noqa: BLE001 - a bug must not close the app and lose the draft
