@@ -35,7 +35,10 @@ async def test_only_the_mlx_thread_uses_the_session(make_app):
         await type_and_send(pilot, "Hello")
         await settle(app, pilot)
         app.post_message(events.Paste("a draft that is prefilled while it waits"))
-        await pilot.pause(0.8)
+        for _ in range(100):  # (its 0.3 s timer, then the prefill: waited for, not assumed)
+            await pilot.pause(0.1)
+            if any(name == "drafts" for name, _ in watch.uses):
+                break
         await settle(app, pilot)
         app.query_one(Composer).clear()
         await pilot.press("ctrl+r")

@@ -83,9 +83,14 @@ class Sidebar(Vertical):
             self.call_after_refresh(setattr, view, "index", index)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
-        """Enter in the filter opens the highlighted match."""
+        """Enter in the filter opens the highlighted match (the first one while a refill, from
+        another process's change, has not highlighted one again yet)."""
         event.stop()
-        self.pick(self.query_one("#conversations", ListView).highlighted_child)
+        view = self.query_one("#conversations", ListView)
+        item = view.highlighted_child
+        if item is None and view.children:
+            item = view.children[0]
+        self.pick(item)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
