@@ -295,7 +295,7 @@ def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home,
     engine = Engine.load(None)
     ids = engine.encode(" ".join(f"Item {i} of the list is ready." for i in range(120)))[:800]
     measured = math.inf
-    for _ in range(2):
+    for _ in range(3):  # (two once gave 0.85 on a loaded CI machine: the floor is 0.75)
         model = prefillmodel.calibration(engine, again=True)  # the fastest of each so far
         measured = min(measured, prefillmodel.run_prefill(engine, ids,
                                                           prefillmodel.time.perf_counter))
