@@ -100,8 +100,11 @@ def test_clients_at_once_get_their_lone_replies_and_resume_exactly(models, kind,
     assert len(set(reference)) > 1
     if kind in BATCHED:
         assert widest >= 2
-    else:
-        assert widest == 1 and "run one at a time" in s.err
+    elif "run one at a time" in s.err:  # (MLA: its trial step at start did not match)
+        assert widest == 1
+    # (Else the trial matched: it is measured, not assumed. Once in CI, at f5dddc3, the tiny
+    # MLA model's batched step came within 1e-3 of its lone steps and its turns could batch;
+    # what must hold then is asserted above: every reply equals its lone reply.)
     # Turn 2 of every conversation, after a restart: each resumes from its cache on disk.
     second = [c + [{"role": "assistant", "content": r}, {"role": "user", "content": "Go on."}]
               for c, r in zip(first, together)]
