@@ -91,6 +91,11 @@ class Run:
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
     lookup: speculative.LookupStats = field(default_factory=speculative.LookupStats)
 
+    @property
+    def thinking_seconds(self) -> float:
+        """What the reasoning took, as stored with the reply and shown by the app."""
+        return round(self.thinking_s, 1)
+
 
 # A sampled reply that ends in LOOP_REPEATS copies of one stretch of at most LOOP_PERIOD
 # tokens, LOOP_LEAST tokens of them at least, is cut (finish "length", with a notice): the

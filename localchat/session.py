@@ -90,11 +90,6 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     return session
 
 
-def thinking_seconds(run) -> float:
-    """What a turn's reasoning took, as stored with its reply and shown by the app."""
-    return round(run.thinking_s, 1)
-
-
 class Session:
     """Runs turns of conversations stored in ``store`` with ``engine``."""
 
@@ -410,7 +405,7 @@ class Session:
             pass  # the record only feeds the cache view
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
                            run.stop_sequence, tuple(run.tool_calls), run.reasoning,
-                           thinking_seconds(run))
+                           run.thinking_seconds)
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
                  partial: bool) -> tuple[int, str]:
@@ -424,7 +419,7 @@ class Session:
             extra = {**({"tool_calls": run.tool_calls} if run.tool_calls else {}),  # is not one)
                      **({"reasoning_content": run.reasoning,  # (and what it took, shown by
                          "reasoning_tokens": run.reasoning_tokens,  # the app's fold)
-                         "thinking_seconds": thinking_seconds(run)} if run.reasoning else {})}
+                         "thinking_seconds": run.thinking_seconds} if run.reasoning else {})}
             self.store.add_message(conv, "assistant", run.reply, partial=partial,
                                    extra=extra or None)
         fed = fed_candidates[:run.fed]
