@@ -14,17 +14,18 @@ lands in ``fixed`` and the per-token part comes from how the time grows with the
 Where the samples come from, in order:
 1. the conversation's own turns that prefilled at least ``MIN_TOKENS`` (their time to first
    token), when there are ``MIN_SAMPLES`` of them spanning lengths a fit can tell apart;
-2. else a calibration: full prefills of a few hundred tokens, measured once per model and
-   machine and kept in ``paths.prefill_models_dir()`` (checksummed and schema-checked when
-   read back; a damaged or foreign file is measured again, never trusted), plus the median
-   of what the conversation's turns took beyond their calibrated prefill (a turn's own
-   work: its lock, rendering, reading the cache), so it estimates a turn's TTFT. A
-   calibration the turns outrun was made on a busy machine: it is measured again and the
-   faster run of each length kept, so it converges on the machine's speed. Within the
-   calibrated lengths a full prefill is read off the measured points (interpolated): the
-   cost per token falls with the length at these sizes, which a line cannot follow (it put
-   a 60-token prefill ~20% low); the fitted terms carry it beyond them and give the
-   attention term for tokens fed after cached ones.
+2. else a calibration: full prefills of a few hundred tokens and one run of tokens fed after
+   a deep cache (the attention term, which short prefills cannot show), measured once per
+   model and machine and kept in ``paths.prefill_models_dir()`` (checksummed and
+   schema-checked when read back; a damaged or foreign file is measured again, never
+   trusted), plus the median of what the conversation's turns took beyond their calibrated
+   prefill (a turn's own work: its lock, rendering, reading the cache), so it estimates a
+   turn's TTFT. A calibration the turns outrun was made on a busy machine: it is measured
+   again and the faster run of each length kept, so it converges on the machine's speed.
+   Within the calibrated lengths a full prefill is read off the measured points
+   (interpolated): the cost per token falls with the length at these sizes, which a line
+   cannot follow (it put a 60-token prefill ~20% low); the fitted terms carry it beyond
+   them, the attention term (measured at depth) for tokens fed after cached ones too.
 
 Samples from a busy machine are discarded as outliers (slower than the fit by more than
 ``OUTLIER``): a machine is never faster than it can be, only slower. Every figure made from
@@ -48,6 +49,7 @@ from dataclasses import dataclass, replace
 
 from . import paths
 from .files import atomic_write, xxh3
+from .kvcache import kinds as ck
 
 MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says little
 MIN_SAMPLES = 3  # three terms need three lengths
@@ -61,9 +63,18 @@ OUTLIER = 0.25  # a sample this much slower than the fit (relative) is a busy ma
 # last token apart: a step of ~0.05 s that 32 and 33 both measured keep where it is
 # (interpolated from 32 to 48, a 37-token turn was estimated 0.035 s short, so the turn's own
 # overhead taken from it came out that much too large, every full prefill ~10% high).
-CALIBRATION = (16, 32, 33, 48, 64, 96, 128, 192, 320)
+CALIBRATION = (16, 32, 33, 48, 64, 96, 128, 256, 320)
 REPEATS = 2  # each length is measured this many times; the fastest counts
-SCHEMA = 3  # 3: the step after one pass measured (2: eight lengths; 1: four)
+# The attention term, measured where it matters: ``DEPTH_TOKENS`` fed after ``DEPTH`` cached
+# positions (a cache of random K/V made at once, no prefill of them). Fitted from the short
+# full prefills alone it came out 0 (at 320 tokens attention is a few % of the time, within
+# the noise) and a long prompt was estimated short: 0.74-0.88 of the measured full prefill at
+# 1,280 tokens, 0.55 at 4,096 on the default model. Per new token and cached position it
+# costs ~1.3 us there when 256 tokens are fed at once, ~1.2 in the 512-token chunks of a long
+# prefill, ~1.6 for 128 (smaller products are less efficient): 256 is close and costs ~1.4 s.
+DEPTH = 2048
+DEPTH_TOKENS = 256
+SCHEMA = 4  # 4: the attention term measured at depth (3: the one-pass step; 2: 8 lengths)
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,7 @@ def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
             and math.isfinite(s.seconds) and s.seconds > 0]
     if len(kept) < MIN_SAMPLES or not spread_enough(kept):
         return None
-    dropped = 0
+    valid, dropped = kept, 0
     coef = None
     for _ in range(4):
         coef = _nonnegative_fit(kept)
@@ -159,12 +170,15 @@ def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
         kept = [s for s in kept if s is not worst]
         dropped += 1
     return PrefillModel(*coef, source=source, samples=len(kept), discarded=dropped,
-                        points=_points(kept) if source == "calibration" else ())
+                        points=_points(valid) if source == "calibration" else ())
 
 
 def _points(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
     """The full prefills among ``samples``, the fastest of each length, as a curve that never
-    falls (a point above a longer one's time is lowered to it: noise, not physics)."""
+    falls (a point above a longer one's time is lowered to it: noise, not physics). Outliers
+    of the line stay: the points are there for what the line cannot follow (the step after
+    one pass, at 33 tokens ~30% above the line, was once dropped as a busy moment and a
+    37-token turn's prefill read off 32 and 48 instead, ~0.03 s short)."""
     best: dict[int, float] = {}
     for s in samples:
         if s.start == 0:
@@ -308,7 +322,8 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
     if not measure:
         return None
     if progress is not None:
-        progress("measuring this model's prefill speed on this machine (a few seconds, once)")
+        progress("measuring this model's prefill speed on this machine "
+                 "(seconds, once per model and machine)")
     fastest: dict[tuple[int, int], Sample] = {}
     for s in (kept or []) + measure_prefills(engine, clock=clock):
         if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
@@ -321,9 +336,11 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
 
 
 def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int = REPEATS,
-                     clock: Callable[[], float] = time.perf_counter) -> list[Sample]:
+                     clock: Callable[[], float] = time.perf_counter,
+                     depth: bool = True) -> list[Sample]:
     """Full prefills of each length into a fresh cache, up to the first token (as a
-    ``--no-cache`` turn does); the fastest of ``repeats`` runs of each counts."""
+    ``--no-cache`` turn does), and (``depth``) ``DEPTH_TOKENS`` fed after a deep cache
+    (``depth_for``); the fastest of ``repeats`` runs of each counts."""
     text = " ".join(f"{w} {i}." for i, w in enumerate(
         "the quick brown fox jumps over a lazy dog near the river bank".split() * 40))
     ids = engine.encode(text)
@@ -332,26 +349,64 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
     # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
     run_prefill(engine, ids[:8], clock)
     run_prefill(engine, ids[:40], clock)
-    best = {n: math.inf for n in lengths}
+    depth = depth_for(engine) if depth else 0
+    runs = [(n, 0) for n in lengths] + ([(DEPTH_TOKENS, depth)] if depth else [])
+    best = {run: math.inf for run in runs}
     for _ in range(repeats):  # rounds over the lengths: a busy moment spoils one run, not both
-        for n in lengths:
-            best[n] = min(best[n], run_prefill(engine, ids[:n], clock))
-    return [Sample(n, 0, best[n]) for n in lengths]
+        for n, k in runs:
+            cache = deep_cache(engine, k) if k else None
+            best[n, k] = min(best[n, k], run_prefill(engine, ids[:n], clock, cache))
+    return [Sample(n, k, best[n, k]) for n, k in runs]
 
 
-def run_prefill(engine, tokens: list[int], clock: Callable[[], float]) -> float:
-    """Seconds to prefill ``tokens`` into a new cache and pick the first token."""
+def depth_for(engine) -> int:
+    """How many cached positions the attention term is measured after: ``DEPTH``, less on a
+    model whose context cannot hold it and ``DEPTH_TOKENS`` more; 0 (not measured: the short
+    prefills' fit stands) when that leaves under half of it, or when some layer's cache is
+    not a growing K/V (a sliding window or a recurrent state: a cache made at depth would
+    not be the one a prefill leaves, and such layers' cost does not grow with the length)."""
+    info = engine.info()
+    depth = min(DEPTH, info.context_length - DEPTH_TOKENS - 1)
+    return depth if info.cut_anywhere and depth >= DEPTH // 2 else 0
+
+
+def deep_cache(engine, depth: int) -> list:
+    """A new cache holding ``depth`` positions of random K/V in every layer, in the shapes
+    and dtype a prefill leaves (read off a prefill of a few tokens), with room for
+    ``DEPTH_TOKENS`` more: what feeding tokens after a long conversation attends to."""
     import mlx.core as mx
 
-    t = clock()
+    probe = engine.new_cache()
+    _drain(engine.prefill([0, 1, 2, 3], probe))
     cache = engine.new_cache()
-    gen = engine.prefill(tokens, cache)
+    for (_, obj), (_, seen) in zip(ck.leaves(cache), ck.leaves(probe)):
+        k, v = seen.keys, seen.values
+        size = depth + DEPTH_TOKENS
+        keys = (mx.random.normal((1, k.shape[1], size, k.shape[3])) * 0.1).astype(k.dtype)
+        values = (mx.random.normal((1, v.shape[1], size, v.shape[3])) * 0.1).astype(v.dtype)
+        mx.eval(keys, values)
+        ck.set_growing(obj, keys, values, depth)
+    return cache
+
+
+def _drain(gen):
+    """Run a prefill generator to its end; its return value (the last position's logits)."""
     while True:
         try:
             next(gen)
         except StopIteration as fin:
-            logits = fin.value
-            break
+            return fin.value
+
+
+def run_prefill(engine, tokens: list[int], clock: Callable[[], float],
+                cache: list | None = None) -> float:
+    """Seconds to prefill ``tokens`` into ``cache`` (a new one by default) and pick the
+    first token."""
+    import mlx.core as mx
+
+    t = clock()
+    cache = engine.new_cache() if cache is None else cache
+    logits = _drain(engine.prefill(tokens, cache))
     mx.eval(mx.argmax(logits, axis=-1))
     return clock() - t
 

@@ -9,8 +9,8 @@ median of the trials' TTFT) less the turn's own TTFT. Then one full prefill of a
 (``--no-cache``) against the model's estimate of it.
 
 Usage: python scripts/bench_figures.py [--quick | --smoke] [-m MODEL] [--trials N]
-``--quick``: 2 trials and a ~500-token long prompt (~1 min idle). ``--smoke``: 1 trial, a short
-"long" prompt: every step in seconds on a tiny model; its figures mean nothing.
+``--quick``: 2 trials and a ~1,000-token long prompt (~1.5 min idle). ``--smoke``: 1 trial,
+a short "long" prompt: every step in seconds on a tiny model; its figures mean nothing.
 Prints a table (estimated vs measured, their ratio), then one JSON line; ``within_25pct``
 says whether every saved figure is within 25% of the measured one.
 """
@@ -50,11 +50,11 @@ def full_ttft(model: list[str], base: str, prompt: str, trials: int, turn: int) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    benchlib.add_flags(ap, "2 trials, a ~500-token long prompt (~1 min idle)")
+    benchlib.add_flags(ap, "2 trials, a ~1,000-token long prompt (~1.5 min idle)")
     ap.add_argument("--trials", type=int, default=None)
     args = ap.parse_args()
     trials = args.trials or benchlib.pick(args, 3, 2, 1)
-    long_words = benchlib.pick(args, 200, 120, 10)  # ~4 tokens each
+    long_words = benchlib.pick(args, 600, 250, 10)  # ~4 tokens each
     benchlib.scratch_home()
     model = ["-m", args.model] if args.model else []
     name = "figures"
