@@ -362,30 +362,52 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
 def depth_for(engine) -> int:
     """How many cached positions the attention term is measured after: ``DEPTH``, less on a
     model whose context cannot hold it and ``DEPTH_TOKENS`` more; 0 (not measured: the short
-    prefills' fit stands) when that leaves under half of it, or when some layer's cache is
-    not a growing K/V (a sliding window or a recurrent state: a cache made at depth would
-    not be the one a prefill leaves, and such layers' cost does not grow with the length)."""
+    prefills' fit stands) when that leaves under half of it, or when no layer's cache grows
+    (recurrent layers only: nothing attends more positions as a conversation grows) or one
+    is of a class localchat does not know."""
     info = engine.info()
     depth = min(DEPTH, info.context_length - DEPTH_TOKENS - 1)
-    return depth if info.cut_anywhere and depth >= DEPTH // 2 else 0
+    grows = info.kv_bytes_per_token > 0 and not info.unknown
+    return depth if grows and depth >= DEPTH // 2 else 0
 
 
 def deep_cache(engine, depth: int) -> list:
-    """A new cache holding ``depth`` positions of random K/V in every layer, in the shapes
-    and dtype a prefill leaves (read off a prefill of a few tokens), with room for
-    ``DEPTH_TOKENS`` more: what feeding tokens after a long conversation attends to."""
+    """A new cache as a prefill of ``depth`` tokens leaves it, in shapes and dtypes (read off
+    a prefill of a few tokens), not in values (random): growing K/V of ``depth`` positions
+    with room for ``DEPTH_TOKENS`` more, full sliding windows, an attention chunk's newest
+    positions, recurrent states: what feeding tokens after a long conversation costs."""
     import mlx.core as mx
+
+    def like(a, positions: int | None = None):
+        shape = a.shape if positions is None else (*a.shape[:2], positions, a.shape[3])
+        return (mx.random.normal(shape) * 0.1).astype(a.dtype)
 
     probe = engine.new_cache()
     _drain(engine.prefill([0, 1, 2, 3], probe))
     cache = engine.new_cache()
+    arrays, meta = [], []
     for (_, obj), (_, seen) in zip(ck.leaves(cache), ck.leaves(probe)):
-        k, v = seen.keys, seen.values
-        size = depth + DEPTH_TOKENS
-        keys = (mx.random.normal((1, k.shape[1], size, k.shape[3])) * 0.1).astype(k.dtype)
-        values = (mx.random.normal((1, v.shape[1], size, v.shape[3])) * 0.1).astype(v.dtype)
-        mx.eval(keys, values)
-        ck.set_growing(obj, keys, values, depth)
+        name = ck.base_name(seen)
+        if ck.kind_of(obj) == ck.GROWING:
+            keys, values = like(seen.keys, depth + DEPTH_TOKENS), like(seen.values,
+                                                                      depth + DEPTH_TOKENS)
+            mx.eval(keys, values)
+            ck.set_growing(obj, keys, values, depth)
+        elif name == "RotatingKVCache":  # (a sliding window: full, wrapped)
+            arrays.append({"keys": like(seen.keys, seen.max_size),
+                           "values": like(seen.values, seen.max_size)})
+            meta.append({"offset": depth, "keep": seen.keep, "max_size": seen.max_size,
+                         "idx": seen.max_size})
+        elif name == "ChunkedKVCache":  # (its newest chunk_size positions)
+            held = min(seen.chunk_size, depth)
+            arrays.append({"keys": like(seen.keys, held), "values": like(seen.values, held)})
+            meta.append({"offset": depth, "chunk_size": seen.chunk_size,
+                         "start_position": depth - held})
+        else:  # ArraysCache: recurrent states, the same size at any depth
+            arrays.append({str(i): like(a) for i, a in enumerate(seen.cache) if a is not None})
+            meta.append({"size": len(seen.cache)})
+    ck.restore(cache, ck.Captured(depth, tuple(arrays), tuple(meta)))
+    mx.eval(ck.state_arrays(cache))
     return cache
 
 

@@ -88,7 +88,7 @@ class FakeEngine:
     as many positions as its one-layer cache holds; the ``spikes``-th calls much slower."""
 
     cache_fingerprint = "fake-model-float16"
-    context_length, cut_anywhere = 8192, True  # (its ``info()``)
+    context_length, kv_bytes_per_token, unknown = 8192, 16, ()  # (its ``info()``)
 
     def __init__(self, clock: Clock, spikes=()):
         self.clock, self.spikes, self.calls = clock, set(spikes), 0
@@ -379,50 +379,81 @@ def test_a_long_prompt_s_attention_is_measured_not_guessed_from_short_prefills(h
     assert shallow.attention_s == 0 and shallow.full(4096) < 0.75 * engine.bare(4096)
 
 
-@pytest.mark.parametrize(("context", "cut_anywhere", "depth"), [
-    (8192, True, prefillmodel.DEPTH), (2000, True, 2000 - prefillmodel.DEPTH_TOKENS - 1),
-    (1024, True, 0), (8192, False, 0)])
-def test_the_depth_fits_the_model(home, context, cut_anywhere, depth):
+@pytest.mark.parametrize(("context", "grows", "unknown", "depth"), [
+    (8192, 16, (), prefillmodel.DEPTH), (2000, 16, (), 2000 - prefillmodel.DEPTH_TOKENS - 1),
+    (1024, 16, (), 0), (8192, 0, (), 0), (8192, 16, ("ForeignCache",), 0)])
+def test_the_depth_fits_the_model(home, context, grows, unknown, depth):
     """As deep as the context allows (less than half of ``DEPTH``: not measured), and only
-    when every layer's cache grows (a sliding window or a recurrent state: not measured; the
-    calibration still is)."""
+    when some layer's cache grows (recurrent layers alone: not measured; the calibration
+    still is) and every class is one localchat knows."""
     clock = Clock()
     engine = FakeEngine(clock)
-    engine.context_length, engine.cut_anywhere = context, cut_anywhere
+    engine.context_length, engine.kv_bytes_per_token, engine.unknown = context, grows, unknown
     assert prefillmodel.depth_for(engine) == depth
     assert calibrated(engine, clock) is not None
     assert max(engine.depths) == depth
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v3", "deepseek_v32"])
-def test_a_deep_cache_is_one_a_real_model_prefills_after(tmp_path, family):
-    """Every family whose layers all grow (MLA, whose keys and values differ in width, and
-    the sparse-attention indexer's CacheList too): the deep cache holds ``depth`` positions
-    in the shapes and dtype a prefill leaves, and tokens fed after it give finite logits;
-    the calibration measures the deep run (a context of 4,096 made for it)."""
+def test_a_deep_cache_is_one_a_real_model_prefills_after(tmp_path, family_engine):
+    """Every family and cache class (growing, MLA, the sparse indexer's CacheList, sliding
+    windows, attention chunks, recurrent states): the deep cache is at ``depth`` in every
+    leaf, its arrays in the shapes and dtypes a prefill of that length leaves (the control:
+    a real prefill of 700 tokens, captured), and tokens fed after it give finite logits and
+    leave every leaf where that prefill's next tokens would; the calibration measures the
+    deep run wherever a layer grows (a context of 4,096 made for it)."""
+    import mlx.core as mx
+
+    from localchat.kvcache import kinds as ck
+
+    name, engine = family_engine
+    depth = 700
+    cache = prefillmodel.deep_cache(engine, depth)
+    real = engine.new_cache()
+    ids = [3 + i % 400 for i in range(depth)]
+    prefillmodel._drain(engine.prefill(ids, real))
+    assert ck.position(cache) == ck.position(real) == (depth if name != "mamba2" else 0)
+    for (_, made), (_, seen) in zip(ck.leaves(cache), ck.leaves(real)):
+        assert made.offset == seen.offset if hasattr(seen, "offset") else True
+        if ck.kind_of(seen) == ck.GROWING:
+            assert made.keys.shape[1::2] == seen.keys.shape[1::2]
+            assert made.values.shape[1::2] == seen.values.shape[1::2]
+            assert made.keys.dtype == seen.keys.dtype
+    made_snap, seen_snap = ck.capture(cache, depth), ck.capture(real, depth)
+    assert same_but_ring(made_snap.meta, seen_snap.meta)
+    for a, b in zip(made_snap.arrays, seen_snap.arrays):
+        assert {k: (v.shape, v.dtype) for k, v in a.items()} == \
+            {k: (v.shape, v.dtype) for k, v in b.items()}
+    more = list(range(3, 40))
+    logits = prefillmodel._drain(engine.prefill(more, cache))
+    assert bool(mx.all(mx.isfinite(logits)))
+    prefillmodel._drain(engine.prefill(more, real))
+    assert same_but_ring(ck.capture(cache, 0).meta, ck.capture(real, 0).meta)
+    assert ck.position(cache) == ck.position(real) == (depth + len(more) if name != "mamba2" else 0)
+    samples = prefillmodel.measure_prefills(engine, lengths=(16, 64), repeats=1)
+    deep = [(prefillmodel.DEPTH_TOKENS, prefillmodel.DEPTH)] if name != "mamba2" else []
+    assert [(s.tokens, s.start) for s in samples] == [(16, 0), (64, 0)] + deep
+
+
+def same_but_ring(a, b) -> bool:
+    """Leaf metadata equal but for where a full sliding window's ring writes next (``idx``:
+    a prefill's last token, fed alone, leaves it at 1; a window made full leaves it at the
+    end, in temporal order; the same window, the same cost)."""
+    def drop(meta):
+        return [{k: v for k, v in m.items() if k != "idx"} for m in meta]
+
+    return drop(a) == drop(b)
+
+
+@pytest.fixture(params=sorted(__import__("families").FAMILIES))
+def family_engine(request, tmp_path):
+    """(family, engine) of a tiny model of each family, its context made 4,096."""
     import json as _json
 
-    import mlx.core as mx
     from families import build_family
 
     from localchat.engine import Engine
-    from localchat.kvcache import kinds as ck
 
-    folder = build_family(family, tmp_path / family)
+    folder = build_family(request.param, tmp_path / request.param)
     config = _json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(_json.dumps({**config, "max_position_embeddings": 4096}))
-    engine = Engine.load(str(folder))
-    assert prefillmodel.depth_for(engine) == prefillmodel.DEPTH
-    cache = prefillmodel.deep_cache(engine, 600)
-    probe = engine.new_cache()
-    prefillmodel._drain(engine.prefill([5, 6, 7], probe))
-    for (_, obj), (_, seen) in zip(ck.leaves(cache), ck.leaves(probe)):
-        assert obj.offset == 600 and obj.keys.dtype == seen.keys.dtype
-        assert obj.keys.shape[1::2] == seen.keys.shape[1::2]
-        assert obj.values.shape[1::2] == seen.values.shape[1::2]
-    logits = prefillmodel._drain(engine.prefill(list(range(3, 40)), cache))
-    assert bool(mx.all(mx.isfinite(logits)))
-    assert ck.position(cache) == 637
-    samples = prefillmodel.measure_prefills(engine, lengths=(16, 64), repeats=1)
-    assert [(s.tokens, s.start) for s in samples] == [
-        (16, 0), (64, 0), (prefillmodel.DEPTH_TOKENS, prefillmodel.DEPTH)]
+    return request.param, Engine.load(str(folder))

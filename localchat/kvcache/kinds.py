@@ -119,7 +119,7 @@ def leaves(cache: list) -> list[tuple[str, object]]:
 
     def walk(path: str, obj) -> None:
         parts = getattr(obj, "caches", None)
-        if _base_name(obj) == "CacheList" and parts is not None:
+        if base_name(obj) == "CacheList" and parts is not None:
             for j, part in enumerate(parts):
                 walk(f"{path}.{j}", part)
         else:
@@ -139,7 +139,7 @@ def kind_named(cls: str) -> str | None:
     return _KINDS.get(cls)
 
 
-def _base_name(obj) -> str | None:
+def base_name(obj) -> str | None:
     """The mlx-lm class this object is (exactly, or through our half_stored subclass)."""
     cls = type(obj)
     if getattr(cls, "_localchat_base", None) is not None:
@@ -151,7 +151,7 @@ def _base_name(obj) -> str | None:
 
 def kind_of(obj) -> str | None:
     """GROWING, BOUNDED, or None for a cache class localchat does not know."""
-    return _KINDS.get(_base_name(obj) or "")
+    return _KINDS.get(base_name(obj) or "")
 
 
 def unknown_classes(cache: list) -> list[str]:
@@ -160,7 +160,7 @@ def unknown_classes(cache: list) -> list[str]:
 
 def spec_of(path: str, obj) -> LeafSpec:
     """A leaf's spec, read from a cache that has taken at least one token."""
-    name = _base_name(obj)
+    name = base_name(obj)
     kind = _KINDS[name]
     if name == "ArraysCache":
         return LeafSpec(path, name, kind, state=tuple(
@@ -199,7 +199,7 @@ def growing_kv(obj, start: int, end: int):
 
 def set_growing(obj, keys, values, n: int) -> None:
     """Make a growing leaf hold ``n`` positions from buffers [1, heads, >= n, dim]."""
-    if _base_name(obj) == "ConcatenateKVCache":  # it attends to its whole buffer
+    if base_name(obj) == "ConcatenateKVCache":  # it attends to its whole buffer
         keys, values = keys[..., :n, :], values[..., :n, :]
     obj.keys, obj.values, obj.offset = keys, values, n
 
@@ -254,7 +254,7 @@ def capture(cache: list, pos: int) -> Captured:
 
     arrays, meta = [], []
     for obj in bounded(cache):
-        name = _base_name(obj)
+        name = base_name(obj)
         if name == "RotatingKVCache":
             keys, values, idx = obj.keys, obj.values, obj._idx
             if keys is not None and obj.offset < keys.shape[2] and idx == obj.offset:
@@ -306,7 +306,7 @@ def restore(cache: list, snap: Captured) -> None:
     if len(objs) != len(snap.arrays):
         raise ValueError("checkpoint does not match the model's cache")
     for obj, arrays, meta in zip(objs, snap.arrays, snap.meta):
-        name = _base_name(obj)
+        name = base_name(obj)
         # New objects again: the restored cache updates them in place, the checkpoint stays.
         fresh = {k: mx.array(v) for k, v in arrays.items()}
         if name == "RotatingKVCache":
@@ -354,7 +354,7 @@ def position(cache: list) -> int:
 def half_stored(cache: list) -> list:
     """Swap the attention leaves of ``cache`` to classes that round K/V to float16 on entry."""
     for _, obj in leaves(cache):
-        name = _base_name(obj)
+        name = base_name(obj)
         if name in ("KVCache", "RotatingKVCache", "ChunkedKVCache"):
             obj.__class__ = _half_class(type(obj) if not hasattr(type(obj), "_localchat_base")
                                         else type(obj)._localchat_base)
