@@ -61,6 +61,7 @@ class CacheReport:
     prefill_model: PrefillModel | None = None  # what the estimates come from (None: none)
     characters: int = 0  # of the conversation's messages
     note: str = ""  # why there is no cache (damaged, none yet)
+    no_estimate: str = ""  # why there is no prefill model, when there is none
 
     @property
     def saved_s(self) -> float:
@@ -100,8 +101,15 @@ def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheRepo
     kinds = _kinds(layout, sum(b for _, _, b in segments),
                    checkpoints[-1][1] if checkpoints else 0)
     turns = session.store.turns(conv)
-    model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate,
+    # Split over ranks, a calibration would run the model on this rank alone while the others
+    # wait for the next turn: it would never end. The turns' own figures still count.
+    split = engine.group.size > 1
+    model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate and not split,
                                           progress=progress) if turns else None
+    no_estimate = "" if model else (
+        f"a model split over {engine.group.size} ranks is not calibrated; its own turns give "
+        f"one once {prefillmodel.MIN_SAMPLES} of {prefillmodel.MIN_TOKENS}+ tokens differ in "
+        f"length" if split else "no measurements yet")
     views = []
     for t in turns:
         full = model.full(t.prompt_tokens) if model else 0.0
@@ -110,7 +118,7 @@ def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheRepo
                               max(0.0, full - t.ttft_s) if t.cached_tokens else 0.0))
     return CacheReport(conv.name, info.name, len(tokens), info.context_length, boundaries,
                        segments, checkpoints, kinds, kv.disk_bytes(), views, model,
-                       sum(len(m["content"]) for m in messages), note)
+                       sum(len(m["content"]) for m in messages), note, no_estimate)
 
 
 def _boundaries(engine, messages: list[dict], tokens: list[int]) -> list[int]:
@@ -203,7 +211,7 @@ def as_lines(r: CacheReport) -> list[str]:
         out.append(f"  {k.layers:>3} × {k.name}: {cost}")
     m = r.prefill_model
     out.append("turns (full prefill " + (f"estimated {m.describe()}):"
-                                       if m else "not estimated: no measurements yet):"))
+                                       if m else f"not estimated: {r.no_estimate}):"))
     for i, t in enumerate(r.turns, 1):
         full = f" · full ~{t.full_prefill_s:.2f} s (estimated)" if t.full_prefill_s else ""
         out.append(f"  {i:>3}. cached {t.cached_tokens:,} / prefilled {t.prefilled_tokens:,}"

@@ -1,8 +1,9 @@
 """Run the chat app headless as rank 0 of a 2-rank loopback cluster; print what it showed.
 
 Used by ``test_cluster.py`` in a subprocess (a process joins one MLX ring only once).
-argv: MODEL SHARD PROMPT... (one turn per prompt, in conversation "app").
-Prints one JSON object: the replies shown, the stored messages, the status bar.
+argv: MODEL SHARD PROMPT... (one turn per prompt, in conversation "app"); a prompt "F3"
+opens the cache view instead (waits for it up to 60 s), records its text and closes it.
+Prints one JSON object: the replies shown, the stored messages, the status bar, the views.
 """
 
 from __future__ import annotations
@@ -21,15 +22,28 @@ from localchat.cli_session import start_cluster  # noqa: E402
 from localchat.cluster import launch  # noqa: E402
 from localchat.store import Store  # noqa: E402
 from localchat.tui.app import LocalchatApp  # noqa: E402
+from localchat.tui.cachescreen import CacheScreen  # noqa: E402
 from localchat.tui.chatview import AssistantMessage  # noqa: E402
 from localchat.tui.statusbar import StatusBar  # noqa: E402
 
 
 async def run(app: LocalchatApp, prompts: list[str]) -> dict:
+    views = []
     async with app.run_test(size=(120, 40)) as pilot:
         await app.workers.wait_for_complete()
         await pilot.pause()
         for prompt in prompts:
+            if prompt == "F3":
+                await pilot.press("f3")
+                for _ in range(300):
+                    await pilot.pause(0.2)
+                    if isinstance(app.screen, CacheScreen):
+                        break
+                views.append("\n".join(str(w.render()) for w in app.screen.query("Static"))
+                             if isinstance(app.screen, CacheScreen) else None)
+                await pilot.press("escape")
+                await pilot.pause()
+                continue
             await pilot.press(*prompt)
             await pilot.press("enter")
             await pilot.pause()
@@ -40,7 +54,7 @@ async def run(app: LocalchatApp, prompts: list[str]) -> dict:
     store = Store.open(paths.database_path())
     stored = [(m.role, m.content) for m in store.messages(store.get("app"))]
     store.close()
-    return {"shown": shown, "stored": stored, "status": status}
+    return {"shown": shown, "stored": stored, "status": status, "views": views}
 
 
 def main() -> None:

@@ -132,7 +132,7 @@ def lines(r: CacheReport, width: int) -> dict[str, Text]:
             kinds.append_text(line)
     m = r.prefill_model
     source = (f"Full prefill estimated {m.describe()}" if m
-              else "no estimate of a full prefill yet")
+              else f"No estimate of a full prefill: {r.no_estimate or 'no measurements yet'}")
     turns = Text("Turns", style="bold")
     for line in flow(Text(""), words(source), width, indent=2, between=" "):
         turns.append("\n")
