@@ -339,24 +339,35 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
                      clock: Callable[[], float] = time.perf_counter,
                      depth: bool = True) -> list[Sample]:
     """Full prefills of each length into a fresh cache, up to the first token (as a
-    ``--no-cache`` turn does), and (``depth``) ``DEPTH_TOKENS`` fed after a deep cache
-    (``depth_for``); the fastest of ``repeats`` runs of each counts."""
+    ``--no-cache`` turn does), the fastest of ``repeats`` runs of each; and (``depth``)
+    ``DEPTH_TOKENS`` fed after a deep cache (``depth_for``), each run right after a full
+    prefill of as many tokens: what it took more than that one, the least of the rounds, is
+    the attention term's time, added to the fastest full run of that length: a busy moment
+    that spans a pair cancels out, one that hits a deep run alone is outdone by another
+    round. (Kept apart, the deep run's fastest and the full runs' fastest could come from
+    different moments of a machine whose speed moves by 2x within the hour.)"""
     text = " ".join(f"{w} {i}." for i, w in enumerate(
         "the quick brown fox jumps over a lazy dog near the river bank".split() * 40))
     ids = engine.encode(text)
-    while len(ids) < max(lengths):
+    while len(ids) < max(*lengths, DEPTH_TOKENS):
         ids = ids + ids
     # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
     run_prefill(engine, ids[:8], clock)
     run_prefill(engine, ids[:40], clock)
     depth = depth_for(engine) if depth else 0
-    runs = [(n, 0) for n in lengths] + ([(DEPTH_TOKENS, depth)] if depth else [])
-    best = {run: math.inf for run in runs}
+    best = {n: math.inf for n in (*lengths, DEPTH_TOKENS)}
+    extra = math.inf
     for _ in range(repeats):  # rounds over the lengths: a busy moment spoils one run, not both
-        for n, k in runs:
-            cache = deep_cache(engine, k) if k else None
-            best[n, k] = min(best[n, k], run_prefill(engine, ids[:n], clock, cache))
-    return [Sample(n, k, best[n, k]) for n, k in runs]
+        for n in lengths:
+            if not (depth and n == DEPTH_TOKENS):  # (measured next to the deep run)
+                best[n] = min(best[n], run_prefill(engine, ids[:n], clock))
+        if depth:
+            cache = deep_cache(engine, depth)
+            base = run_prefill(engine, ids[:DEPTH_TOKENS], clock)
+            extra = min(extra, run_prefill(engine, ids[:DEPTH_TOKENS], clock, cache) - base)
+            best[DEPTH_TOKENS] = min(best[DEPTH_TOKENS], base)
+    return [Sample(n, 0, best[n]) for n in lengths] + (
+        [Sample(DEPTH_TOKENS, depth, best[DEPTH_TOKENS] + max(extra, 0.0))] if depth else [])
 
 
 def depth_for(engine) -> int:
