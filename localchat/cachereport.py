@@ -72,13 +72,15 @@ class CacheReport:
         return self.tokens / self.characters if self.characters else 0.0
 
 
-def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheReport:
+def report(session, conv, *, calibrate: bool = True, progress=None,
+           stopped=lambda: False) -> CacheReport:
     """The cache of ``conv`` as ``session``'s model sees it.
 
     ``calibrate``: when the conversation's turns cannot say what a full prefill costs and
     this model was never calibrated on this machine, measure it now (seconds, on the model's
     thread; once per model and machine; ``progress`` is told). Otherwise the estimates are
-    left out.
+    left out. ``stopped()``: asked before each run of a calibration; it then raises
+    ``prefillmodel.Stopped`` (the app is closing).
     """
     engine = session.engine
     info = engine.info()
@@ -105,7 +107,7 @@ def report(session, conv, *, calibrate: bool = True, progress=None) -> CacheRepo
     # wait for the next turn: it would never end. The turns' own figures still count.
     split = engine.group.size > 1
     model = prefillmodel.for_conversation(engine, turns, calibrate_now=calibrate and not split,
-                                          progress=progress) if turns else None
+                                          progress=progress, stopped=stopped) if turns else None
     no_estimate = "" if model else (
         f"a model split over {engine.group.size} ranks is not calibrated; its own turns give "
         f"one once {prefillmodel.MIN_SAMPLES} of {prefillmodel.MIN_TOKENS}+ tokens differ in "

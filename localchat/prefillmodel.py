@@ -77,6 +77,10 @@ DEPTH_TOKENS = 256
 SCHEMA = 4  # 4: the attention term measured at depth (3: the one-pass step; 2: 8 lengths)
 
 
+class Stopped(Exception):
+    """A calibration stopped before its end (``measure_prefills``'s ``stopped``)."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One measured prefill: ``tokens`` fed after ``start`` cached ones took ``seconds``."""
@@ -245,18 +249,21 @@ def from_turns(turns: Sequence) -> PrefillModel | None:
 
 def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
                      clock: Callable[[], float] = time.perf_counter,
-                     progress: Callable[[str], None] | None = None) -> PrefillModel | None:
+                     progress: Callable[[str], None] | None = None,
+                     stopped: Callable[[], bool] = lambda: False) -> PrefillModel | None:
     """The model for a conversation's figures: its own turns when they can say, else this
     model's calibration on this machine (measured now if there is none and
     ``calibrate_now``; it takes seconds, on the thread that runs the model, and
-    ``progress`` is told first)."""
+    ``progress`` is told first; ``stopped()`` is asked before each run of it and stops it
+    with ``Stopped``)."""
     fitted = from_turns(turns)
     if fitted is not None:
         return fitted
-    calibrated = calibration(engine, measure=calibrate_now, clock=clock, progress=progress)
+    calibrated = calibration(engine, measure=calibrate_now, clock=clock, progress=progress,
+                             stopped=stopped)
     if calibrated is not None and calibrate_now and slower_than_turns(calibrated, turns):
-        calibrated = calibration(engine, again=True, clock=clock,
-                                 progress=progress) or calibrated
+        calibrated = calibration(engine, again=True, clock=clock, progress=progress,
+                                 stopped=stopped) or calibrated
     return with_turn_overhead(calibrated, turns) if calibrated is not None else None
 
 
@@ -307,7 +314,8 @@ def calibration_path(key: str):
 
 def calibration(engine, *, measure: bool = True, again: bool = False,
                 clock: Callable[[], float] = time.perf_counter,
-                progress: Callable[[str], None] | None = None) -> PrefillModel | None:
+                progress: Callable[[str], None] | None = None,
+                stopped: Callable[[], bool] = lambda: False) -> PrefillModel | None:
     """This model's calibration on this machine: read back, or measured and kept.
 
     ``again``: measure even if one is kept, and keep the faster run of each length, old or
@@ -325,7 +333,7 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
         progress("measuring this model's prefill speed on this machine "
                  "(seconds, once per model and machine)")
     fastest: dict[tuple[int, int], Sample] = {}
-    for s in (kept or []) + measure_prefills(engine, clock=clock):
+    for s in (kept or []) + measure_prefills(engine, clock=clock, stopped=stopped):
         if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
             fastest[s.tokens, s.start] = s
     samples = sorted(fastest.values(), key=lambda s: (s.tokens, s.start))
@@ -337,7 +345,8 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
 
 def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int = REPEATS,
                      clock: Callable[[], float] = time.perf_counter,
-                     depth: bool = True) -> list[Sample]:
+                     depth: bool = True,
+                     stopped: Callable[[], bool] = lambda: False) -> list[Sample]:
     """Full prefills of each length into a fresh cache, up to the first token (as a
     ``--no-cache`` turn does), the fastest of ``repeats`` runs of each; and (``depth``)
     ``DEPTH_TOKENS`` fed after a deep cache (``depth_for``), each run right after a full
@@ -345,26 +354,37 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
     the attention term's time, added to the fastest full run of that length: a busy moment
     that spans a pair cancels out, one that hits a deep run alone is outdone by another
     round. (Kept apart, the deep run's fastest and the full runs' fastest could come from
-    different moments of a machine whose speed moves by 2x within the hour.)"""
+    different moments of a machine whose speed moves by 2x within the hour.)
+
+    Raises:
+        Stopped: ``stopped()`` said so before a run (each takes up to ~1.5 s on the default
+            model here; the whole ~13 s): the app is closing, and nothing is kept.
+    """
+
+    def run(tokens: list[int], cache: list | None = None) -> float:
+        if stopped():
+            raise Stopped("the calibration was stopped")
+        return run_prefill(engine, tokens, clock, cache)
+
     text = " ".join(f"{w} {i}." for i, w in enumerate(
         "the quick brown fox jumps over a lazy dog near the river bank".split() * 40))
     ids = engine.encode(text)
     while len(ids) < max(*lengths, DEPTH_TOKENS):
         ids = ids + ids
     # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
-    run_prefill(engine, ids[:8], clock)
-    run_prefill(engine, ids[:40], clock)
+    run(ids[:8])
+    run(ids[:40])
     depth = depth_for(engine) if depth else 0
     best = {n: math.inf for n in (*lengths, DEPTH_TOKENS)}
     extra = math.inf
     for _ in range(repeats):  # rounds over the lengths: a busy moment spoils one run, not both
         for n in lengths:
             if not (depth and n == DEPTH_TOKENS):  # (measured next to the deep run)
-                best[n] = min(best[n], run_prefill(engine, ids[:n], clock))
+                best[n] = min(best[n], run(ids[:n]))
         if depth:
             cache = deep_cache(engine, depth)
-            base = run_prefill(engine, ids[:DEPTH_TOKENS], clock)
-            extra = min(extra, run_prefill(engine, ids[:DEPTH_TOKENS], clock, cache) - base)
+            base = run(ids[:DEPTH_TOKENS])
+            extra = min(extra, run(ids[:DEPTH_TOKENS], cache) - base)
             best[DEPTH_TOKENS] = min(best[DEPTH_TOKENS], base)
     return [Sample(n, 0, best[n]) for n in lengths] + (
         [Sample(DEPTH_TOKENS, depth, best[DEPTH_TOKENS] + max(extra, 0.0))] if depth else [])

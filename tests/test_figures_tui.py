@@ -187,6 +187,45 @@ async def test_the_cache_view_never_wraps_inside_a_figure(width):
         assert all("(est.)" in line for line in drawn if "full ~" in line)
 
 
+async def test_a_quit_while_the_view_calibrates_stops_the_calibration(make_app, home,
+                                                                     monkeypatch):
+    """A first F3 calibrates the model (~13 s on the default model here) on the model's
+    thread; a quit meanwhile stops it between two runs, keeps nothing, and the thread is free
+    (before, every remaining run went on after the quit and Python waited for them at exit:
+    the default model's app took 10.4 s to exit in a pty, 0.4 s now). Each run is made slow
+    (0.2 s) so the quit lands in the middle; the runs are counted, not timed."""
+    import time
+
+    from localchat import prefillmodel
+
+    app, _ = make_app(["Paris."])
+    open_at_run = []  # per calibration run: whether the app was still open when it began
+    real = prefillmodel.run_prefill
+
+    def slow(engine, tokens, clock, cache=None):
+        open_at_run.append(app.is_open)
+        time.sleep(0.2)
+        return real(engine, tokens, clock, cache)
+
+    monkeypatch.setattr(prefillmodel, "run_prefill", slow)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await settle(app, pilot)
+        await type_and_send(pilot, "What is the capital of France?")
+        await settle(app, pilot)
+        await pilot.press("f3")
+        for _ in range(100):
+            await pilot.pause(0.05)
+            if len(open_at_run) >= 3:
+                break
+        assert len(open_at_run) >= 3
+        await pilot.press("ctrl+q")
+    app.mlx.call(lambda: None)  # (after the calibration's job: the thread is free)
+    # (at most one: a run whose check came a moment before the quit; without the stop, 17)
+    assert open_at_run.count(False) <= 1, open_at_run
+    assert len(open_at_run) < 2 + len(prefillmodel.CALIBRATION) * prefillmodel.REPEATS
+    assert not list((home / "prefill-models").glob("*.json"))  # nothing half-measured kept
+
+
 def test_the_control_a_turn_line_is_wider_than_80_columns_unflowed():
     """(why the view lays lines out: the turn's figures in one line do not fit 80 columns)"""
     one_line = " · ".join(str(line) for line in turn_bars(report(), 200)[2:3])

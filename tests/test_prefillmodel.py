@@ -190,6 +190,22 @@ def test_the_control_an_intact_file_is_trusted(home):
     assert engine.calls == measured
 
 
+def test_a_stopped_calibration_keeps_nothing_and_the_next_one_measures(home):
+    clock = Clock()
+    engine = FakeEngine(clock)
+    asked = []
+
+    def stopped() -> bool:
+        asked.append(1)
+        return len(asked) > 5
+
+    with pytest.raises(prefillmodel.Stopped):
+        prefillmodel.calibration(engine, clock=clock, stopped=stopped)
+    assert engine.calls == 5 and not list(home.glob("prefill-models/*.json"))
+    assert calibrated(engine, clock) is not None  # (measured in full, kept)
+    assert len(list(home.glob("prefill-models/*.json"))) == 1
+
+
 def test_an_unwritable_data_folder_still_gives_figures(home):
     home.mkdir(parents=True)
     (home / "prefill-models").write_text("a file where the folder goes")

@@ -222,10 +222,15 @@ class Actions:
     @work(thread=True, group="conversation-ops")
     def cache_view_worker(self, conv: Conversation) -> None:
         from ..cachereport import report
+        from ..prefillmodel import Stopped
 
+        # A first view may calibrate the model (~13 s on the default model here); a quit
+        # meanwhile stops it between two of its runs, or Python would wait for it at exit.
         try:
             found = self.mlx.call(lambda: report(self.session, conv, progress=lambda text: (
-                self.call_from_thread(self.notify, text))))
+                self.call_from_thread(self.notify, text)), stopped=lambda: not self.is_open))
+        except Stopped:
+            return
         except LocalchatError as err:
             self.call_from_thread(self.notify, str(err), severity="error")
             return
