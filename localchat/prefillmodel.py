@@ -259,11 +259,15 @@ def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
     fitted = from_turns(turns)
     if fitted is not None:
         return fitted
-    calibrated = calibration(engine, measure=calibrate_now, clock=clock, progress=progress,
-                             stopped=stopped)
+    # The deep run only for a conversation whose prompts reach past the calibrated lengths:
+    # within them a full prefill is read off the measured points, and its turns' attention
+    # after a short cache is a few ms.
+    deep = any(t.prompt_tokens > CALIBRATION[-1] for t in turns)
+    calibrated = calibration(engine, measure=calibrate_now, deep=deep, clock=clock,
+                             progress=progress, stopped=stopped)
     if calibrated is not None and calibrate_now and slower_than_turns(calibrated, turns):
-        calibrated = calibration(engine, again=True, clock=clock, progress=progress,
-                                 stopped=stopped) or calibrated
+        calibrated = calibration(engine, again=True, deep=deep, clock=clock,
+                                 progress=progress, stopped=stopped) or calibrated
     return with_turn_overhead(calibrated, turns) if calibrated is not None else None
 
 
@@ -312,7 +316,7 @@ def calibration_path(key: str):
     return paths.prefill_models_dir() / f"{key}.json"
 
 
-def calibration(engine, *, measure: bool = True, again: bool = False,
+def calibration(engine, *, measure: bool = True, again: bool = False, deep: bool = True,
                 clock: Callable[[], float] = time.perf_counter,
                 progress: Callable[[str], None] | None = None,
                 stopped: Callable[[], bool] = lambda: False) -> PrefillModel | None:
@@ -320,20 +324,31 @@ def calibration(engine, *, measure: bool = True, again: bool = False,
 
     ``again``: measure even if one is kept, and keep the faster run of each length, old or
     new: a calibration made while the machine was busy heals (a machine is never faster than
-    it can be, so the fastest run seen is the closest to its speed).
+    it can be, so the fastest run seen is the closest to its speed). ``deep``: with the
+    deep run (the attention term: ~4.6 s of ~13 on the default model here); without it,
+    what a conversation of prompts within the calibrated lengths needs. A kept calibration
+    without it, asked for it, has only the deep run measured and added.
     """
     key = machine_key(engine)
     path = calibration_path(key)
     kept = read_samples(path, key)
-    if kept is not None and not again:
+    has_deep = kept is not None and any(s.start > 0 for s in kept)
+    # (measured again, a kept deep run is too: the new full runs with a deep run from a busier
+    # moment would put the attention term high)
+    wanted = (deep or has_deep) and depth_for(engine) > 0
+    lacking = kept is not None and wanted and not has_deep
+    if kept is not None and not again and not (lacking and measure):
         return fit(kept, "calibration")
     if not measure:
         return None
     if progress is not None:
         progress("measuring this model's prefill speed on this machine "
-                 "(seconds, once per model and machine)")
+                 + ("at depth (seconds, once)" if lacking and not again
+                    else "(seconds, once per model and machine)"))
+    lengths = () if lacking and not again else CALIBRATION
     fastest: dict[tuple[int, int], Sample] = {}
-    for s in (kept or []) + measure_prefills(engine, clock=clock, stopped=stopped):
+    for s in (kept or []) + measure_prefills(engine, lengths, clock=clock, depth=wanted,
+                                             stopped=stopped):
         if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
             fastest[s.tokens, s.start] = s
     samples = sorted(fastest.values(), key=lambda s: (s.tokens, s.start))
@@ -369,7 +384,7 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
     text = " ".join(f"{w} {i}." for i, w in enumerate(
         "the quick brown fox jumps over a lazy dog near the river bank".split() * 40))
     ids = engine.encode(text)
-    while len(ids) < max(*lengths, DEPTH_TOKENS):
+    while len(ids) < max(*lengths, DEPTH_TOKENS, 1):
         ids = ids + ids
     # Warm-up: the first call of each path (one pass, chunked) compiles and allocates.
     run(ids[:8])

@@ -397,6 +397,33 @@ def test_a_long_prompt_s_attention_is_measured_not_guessed_from_short_prefills(h
     assert shallow.attention_s == 0 and shallow.full(4096) < 0.75 * engine.bare(4096)
 
 
+def test_the_deep_run_waits_for_a_conversation_past_the_calibrated_lengths(home):
+    """A first view of a short chat (prompts within the calibrated lengths) calibrates
+    without the deep run (~4.6 of ~13 s on the default model); a conversation past them has
+    only the deep run measured and added to what is kept; after that nothing is measured."""
+    clock = Clock()
+    engine = FakeEngine(clock)
+    short = turns_of(TRUE, [(0, 37), (44, 15), (66, 15)])
+    first = prefillmodel.for_conversation(engine, short, clock=clock)
+    assert prefillmodel.DEPTH not in engine.depths and first.attention_s == pytest.approx(
+        TRUE.attention_s, rel=0.05)  # (the fake's short runs are exact: a real machine's 0)
+    assert engine.calls == 2 + len(prefillmodel.CALIBRATION) * prefillmodel.REPEATS
+    long = turns_of(TRUE, [(0, 37), (44, 15), (2000, 15)])
+    before = engine.calls
+    deep = prefillmodel.for_conversation(engine, long, clock=clock)
+    # (two warm-ups, then per round the 4-token probe, the full run and the deep one)
+    assert engine.calls - before == 2 + 3 * prefillmodel.REPEATS
+    assert engine.depths.count(prefillmodel.DEPTH) == prefillmodel.REPEATS
+    kept = prefillmodel.read_samples(next((home / "prefill-models").glob("*.json")),
+                                     prefillmodel.machine_key(engine))
+    assert len(kept) == len(prefillmodel.CALIBRATION) + 1
+    assert deep.full(3000) == pytest.approx(TRUE.full(3000) + deep.overhead_s - 0.8, rel=0.02)
+    before = engine.calls
+    prefillmodel.for_conversation(engine, long, clock=clock)
+    prefillmodel.for_conversation(engine, short, clock=clock)
+    assert engine.calls == before
+
+
 @pytest.mark.parametrize(("context", "grows", "unknown", "depth"), [
     (8192, 16, (), prefillmodel.DEPTH), (2000, 16, (), 2000 - prefillmodel.DEPTH_TOKENS - 1),
     (1024, 16, (), 0), (8192, 0, (), 0), (8192, 16, ("ForeignCache",), 0)])
