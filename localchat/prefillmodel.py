@@ -373,7 +373,7 @@ def measure_prefills(engine, lengths: Sequence[int] = CALIBRATION, repeats: int 
 
     Raises:
         Stopped: ``stopped()`` said so before a run (each takes up to ~1.5 s on the default
-            model here; the whole ~13 s): the app is closing, and nothing is kept.
+            model here; the whole 8.5-13 s): the app is closing, and nothing is kept.
     """
 
     def run(tokens: list[int], cache: list | None = None) -> float:

@@ -189,7 +189,7 @@ async def test_the_cache_view_never_wraps_inside_a_figure(width):
 
 async def test_a_quit_while_the_view_calibrates_stops_the_calibration(make_app, home,
                                                                      monkeypatch):
-    """A first F3 calibrates the model (~13 s on the default model here) on the model's
+    """A first F3 calibrates the model (8.5-13 s on the default model here) on the model's
     thread; a quit meanwhile stops it between two runs, keeps nothing, and the thread is free
     (before, every remaining run went on after the quit and Python waited for them at exit:
     the default model's app took 10.4 s to exit in a pty, 0.4 s now). Each run is made slow

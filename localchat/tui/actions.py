@@ -224,7 +224,7 @@ class Actions:
         from ..cachereport import report
         from ..prefillmodel import Stopped
 
-        # A first view may calibrate the model (~13 s on the default model here); a quit
+        # A first view may calibrate the model (8.5-13 s on the default model here); a quit
         # meanwhile stops it between two of its runs, or Python would wait for it at exit.
         try:
             found = self.mlx.call(lambda: report(self.session, conv, progress=lambda text: (
