@@ -49,7 +49,8 @@ from dataclasses import dataclass, replace
 
 from . import paths
 from .files import atomic_write, xxh3
-from .kvcache import kinds as ck
+from .kvcache import synthetic
+from .kvcache.synthetic import drain as _drain
 
 MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says little
 MIN_SAMPLES = 3  # three terms need three lengths
@@ -418,52 +419,9 @@ def depth_for(engine) -> int:
 
 
 def deep_cache(engine, depth: int) -> list:
-    """A new cache as a prefill of ``depth`` tokens leaves it, in shapes and dtypes (read off
-    a prefill of a few tokens), not in values (random): growing K/V of ``depth`` positions
-    with room for ``DEPTH_TOKENS`` more, full sliding windows, an attention chunk's newest
-    positions, recurrent states: what feeding tokens after a long conversation costs."""
-    import mlx.core as mx
-
-    def like(a, positions: int | None = None):
-        shape = a.shape if positions is None else (*a.shape[:2], positions, a.shape[3])
-        return (mx.random.normal(shape) * 0.1).astype(a.dtype)
-
-    probe = engine.new_cache()
-    _drain(engine.prefill([0, 1, 2, 3], probe))
-    cache = engine.new_cache()
-    arrays, meta = [], []
-    for (_, obj), (_, seen) in zip(ck.leaves(cache), ck.leaves(probe)):
-        name = ck.base_name(seen)
-        if ck.kind_of(obj) == ck.GROWING:
-            keys, values = like(seen.keys, depth + DEPTH_TOKENS), like(seen.values,
-                                                                      depth + DEPTH_TOKENS)
-            mx.eval(keys, values)
-            ck.set_growing(obj, keys, values, depth)
-        elif name == "RotatingKVCache":  # (a sliding window: full, wrapped)
-            arrays.append({"keys": like(seen.keys, seen.max_size),
-                           "values": like(seen.values, seen.max_size)})
-            meta.append({"offset": depth, "keep": seen.keep, "max_size": seen.max_size,
-                         "idx": seen.max_size})
-        elif name == "ChunkedKVCache":  # (its newest chunk_size positions)
-            held = min(seen.chunk_size, depth)
-            arrays.append({"keys": like(seen.keys, held), "values": like(seen.values, held)})
-            meta.append({"offset": depth, "chunk_size": seen.chunk_size,
-                         "start_position": depth - held})
-        else:  # ArraysCache: recurrent states, the same size at any depth
-            arrays.append({str(i): like(a) for i, a in enumerate(seen.cache) if a is not None})
-            meta.append({"size": len(seen.cache)})
-    ck.restore(cache, ck.Captured(depth, tuple(arrays), tuple(meta)))
-    mx.eval(ck.state_arrays(cache))
-    return cache
-
-
-def _drain(gen):
-    """Run a prefill generator to its end; its return value (the last position's logits)."""
-    while True:
-        try:
-            next(gen)
-        except StopIteration as fin:
-            return fin.value
+    """A new cache at ``depth`` positions with room for ``DEPTH_TOKENS`` more
+    (``kvcache.synthetic``)."""
+    return synthetic.deep_cache(engine, depth, DEPTH_TOKENS)
 
 
 def run_prefill(engine, tokens: list[int], clock: Callable[[], float],
