@@ -20,7 +20,7 @@ from . import prefillmodel, window
 from .fmt import human_bytes
 from .kvcache.folder import CacheInvalid
 from .kvcache.kinds import BOUNDED, GROWING
-from .prefillmodel import PrefillModel
+from .prefillfit import PrefillModel
 
 
 @dataclass(frozen=True)

@@ -194,8 +194,7 @@ class Engine:
             cut_anywhere=all(s.kind == ck.GROWING for s in specs),
             unknown=unknown,
             thinking_switch=self.thinking_switch,
-            tokenizer=self.tokenizer_plan,
-        )
+            tokenizer=self.tokenizer_plan, attention=ck.attention_windows(specs))
 
     def layout(self, quant: ck.KVQuant | None = None) -> Layout:
         """What this model's caches on disk are validated against (see ``kvcache.folder.Layout``),

@@ -29,3 +29,5 @@ class ModelInfo:
     unknown: tuple[str, ...]  # cache classes localchat does not know: no disk cache
     thinking_switch: bool = False  # the chat template turns a reasoning model's thinking off
     tokenizer: str = ""  # the tokenizer's path: "tokenizers + jinja2 (…)" or "transformers (…)"
+    # How far back the attending layers look (``kinds.attention_windows``): () all the way
+    attention: tuple[tuple[int, float], ...] = ()

@@ -1,15 +1,19 @@
 """How long a full prefill takes on this machine, as a function of its length.
 
-What it is: a three-term cost model, fitted by least squares, that the cache view
-(``tui/cachescreen.py``) and ``inspect -c`` (``cachereport.py``) use to estimate what a turn
-would have cost without its cache. Feeding ``n`` tokens after ``k`` cached ones costs
+What it is: the samples of a three-term cost model (``prefillfit.py``: the model and its
+least-squares fit) that the cache view (``tui/cachescreen.py``) and ``inspect -c``
+(``cachereport.py``) use to estimate what a turn would have cost without its cache: the
+conversation's turns, or a calibration measured and kept. Feeding ``n`` tokens after ``k``
+cached ones costs
 
     fixed + per_token·n + attention·n·(k + n/2)
 
-(the attention term: each new token attends every position before it). A full prefill is
-``k = 0``. The old estimate (cached tokens ÷ the median rate of short turns) counted a turn's
-fixed overhead as per-token cost and claimed savings ten times too large; here the overhead
-lands in ``fixed`` and the per-token part comes from how the time grows with the length.
+(the attention term: each new token attends every position before it; a model with sliding
+windows or chunks counts what its layers look back over instead, ``prefillfit.attended``). A
+full prefill is ``k = 0``. The old estimate (cached tokens ÷ the median rate of short turns)
+counted a turn's fixed overhead as per-token cost and claimed savings ten times too large; here
+the overhead lands in ``fixed`` and the per-token part comes from how the time grows with the
+length.
 
 Where the samples come from, in order:
 1. the conversation's own turns that prefilled at least ``MIN_TOKENS`` (their time to first
@@ -37,7 +41,6 @@ measured full prefills).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import math
@@ -45,17 +48,15 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from . import paths
 from .files import atomic_write, xxh3
 from .kvcache import synthetic
 from .kvcache.synthetic import drain as _drain
+from .prefillfit import MIN_SAMPLES, OUTLIER, PrefillModel, Sample, fit  # noqa: F401
 
 MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says little
-MIN_SAMPLES = 3  # three terms need three lengths
-MIN_SPREAD = 2.0  # longest / shortest sample: closer lengths cannot part fixed from per-token
-OUTLIER = 0.25  # a sample this much slower than the fit (relative) is a busy machine's
 # A few hundred tokens (seconds on a small model), densest where turns are: the cost per token
 # is not constant at these lengths (on the default model here ~4.6 ms/token between 16 and 64
 # tokens, ~3 between 64 and 160), so a calibration's full prefill is read off its measured
@@ -82,170 +83,16 @@ class Stopped(Exception):
     """A calibration stopped before its end (``measure_prefills``'s ``stopped``)."""
 
 
-@dataclass(frozen=True)
-class Sample:
-    """One measured prefill: ``tokens`` fed after ``start`` cached ones took ``seconds``."""
-
-    tokens: int
-    start: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class PrefillModel:
-    """Seconds to prefill, fitted from ``samples`` measurements (``discarded`` more were
-    outliers); ``source`` is "turns" or "calibration"."""
-
-    fixed_s: float
-    per_token_s: float
-    attention_s: float  # per new token, per position it attends
-    source: str
-    samples: int
-    discarded: int = 0
-    overhead_s: float = 0.0  # of ``fixed_s``: a turn's own work beyond a calibrated prefill
-    # A calibration's measured full prefills, (tokens, seconds) by length, never falling:
-    # between them the cost is interpolated, beyond them the fitted terms carry it on.
-    points: tuple[tuple[int, float], ...] = ()
-
-    def cost(self, tokens: int, start: int = 0) -> float:
-        """Estimated seconds to feed ``tokens`` after ``start`` cached ones (0 for none)."""
-        if tokens <= 0:
-            return 0.0
-        if not self.points:
-            return (self.fixed_s + self.per_token_s * tokens
-                    + self.attention_s * tokens * (start + tokens / 2))
-        return self.overhead_s + self._curve(tokens) + self.attention_s * tokens * start
-
-    def _line(self, tokens: int) -> float:
-        """The fitted full prefill, without a turn's overhead."""
-        return (self.fixed_s - self.overhead_s + self.per_token_s * tokens
-                + self.attention_s * tokens * tokens / 2)
-
-    def _curve(self, n: int) -> float:
-        """A full prefill of ``n`` tokens off the measured points: interpolated between two,
-        outside them the nearest one moved along the fitted line."""
-        pts = self.points
-        if n <= pts[0][0]:
-            return max(0.0, pts[0][1] - (self._line(pts[0][0]) - self._line(n)))
-        if n >= pts[-1][0]:
-            return pts[-1][1] + self._line(n) - self._line(pts[-1][0])
-        i = bisect.bisect_left(pts, (n, -math.inf))
-        (n0, s0), (n1, s1) = pts[i - 1], pts[i]
-        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
-
-    def full(self, tokens: int) -> float:
-        """Estimated seconds of a full prefill of ``tokens`` (no cache)."""
-        return self.cost(tokens, 0)
-
-    def describe(self) -> str:
-        """Where the figures come from, in a few words, e.g. 'fitted from 4 turns'."""
-        what = (f"fitted to {self.samples} turns of this conversation" if self.source == "turns"
-                else f"from a calibration of this model on this machine ({self.samples} runs)")
-        s = "s" if self.discarded > 1 else ""
-        return (what + (f", {self.discarded} outlier{s} left out" if self.discarded else "")
-                + (f", plus {self.overhead_s * 1e3:.0f} ms a turn takes beyond its prefill"
-                   if self.overhead_s else ""))
-
-
-def fit(samples: Sequence[Sample], source: str) -> PrefillModel | None:
-    """The model that fits ``samples`` best, or None when they cannot determine one.
-
-    Least squares on relative error (a 16-token sample counts as much as a 320-token one),
-    with every coefficient ≥ 0 (the best of the fits over each subset of the three terms:
-    a negative fixed part or rate is noise, not physics); samples slower than the fit by more
-    than ``OUTLIER`` are dropped and the rest fitted again.
-    """
-    kept = [s for s in samples if s.tokens > 0 and s.start >= 0
-            and math.isfinite(s.seconds) and s.seconds > 0]
-    if len(kept) < MIN_SAMPLES or not spread_enough(kept):
-        return None
-    valid, dropped = kept, 0
-    coef = None
-    for _ in range(4):
-        coef = _nonnegative_fit(kept)
-        if coef is None:
-            return None
-        slow = [s for s in kept if s.seconds > (1 + OUTLIER) * _predict(coef, s)]
-        rest = [s for s in kept if s not in slow]
-        if not slow or len(rest) < MIN_SAMPLES or not spread_enough(rest):
-            break
-        # Drop the worst first: one busy moment can pull the fit up enough to make its
-        # neighbours look slow too.
-        worst = max(slow, key=lambda s: s.seconds / _predict(coef, s))
-        kept = [s for s in kept if s is not worst]
-        dropped += 1
-    return PrefillModel(*coef, source=source, samples=len(kept), discarded=dropped,
-                        points=_points(valid) if source == "calibration" else ())
-
-
-def _points(samples: Sequence[Sample]) -> tuple[tuple[int, float], ...]:
-    """The full prefills among ``samples``, the fastest of each length, as a curve that never
-    falls (a point above a longer one's time is lowered to it: noise, not physics). Outliers
-    of the line stay: the points are there for what the line cannot follow (the step after
-    one pass, at 33 tokens ~30% above the line, was once dropped as a busy moment and a
-    37-token turn's prefill read off 32 and 48 instead, ~0.03 s short)."""
-    best: dict[int, float] = {}
-    for s in samples:
-        if s.start == 0:
-            best[s.tokens] = min(best.get(s.tokens, math.inf), s.seconds)
-    if len(best) < 2:
-        return ()
-    pts = sorted(best.items())
-    low = math.inf
-    for i in range(len(pts) - 1, -1, -1):
-        low = min(low, pts[i][1])
-        pts[i] = (pts[i][0], low)
-    return tuple(pts)
-
-
-def spread_enough(samples: Sequence[Sample]) -> bool:
-    lengths = [s.tokens for s in samples]
-    return max(lengths) >= MIN_SPREAD * min(lengths)
-
-
-def _features(s: Sample) -> tuple[float, float, float]:
-    return (1.0, float(s.tokens), s.tokens * (s.start + s.tokens / 2))
-
-
-def _predict(coef: tuple[float, float, float], s: Sample) -> float:
-    return sum(c * f for c, f in zip(coef, _features(s)))
-
-
-def _nonnegative_fit(samples: Sequence[Sample]) -> tuple[float, float, float] | None:
-    """Weighted least squares over every subset of the terms; the best fit with no negative
-    coefficient (three terms: seven small solves, no optimiser needed)."""
-    import numpy as np
-
-    a = np.array([_features(s) for s in samples], dtype=np.float64)
-    t = np.array([s.seconds for s in samples], dtype=np.float64)
-    w = 1.0 / t  # relative error
-    best, best_err = None, math.inf
-    for mask in range(1, 8):
-        cols = [i for i in range(3) if mask >> i & 1]
-        sub = a[:, cols] * w[:, None]
-        try:
-            x, _, rank, _ = np.linalg.lstsq(sub, t * w, rcond=None)
-        except (np.linalg.LinAlgError, ValueError):  # non-finite input or no convergence
-            continue
-        if rank < len(cols) or not np.all(np.isfinite(x)) or np.any(x < 0):
-            continue
-        err = float(np.sum((sub @ x - t * w) ** 2))
-        if err < best_err - 1e-15:  # (equal error: the fewer terms, found first, stay)
-            coef = [0.0, 0.0, 0.0]
-            for i, v in zip(cols, x):
-                coef[i] = float(v)
-            best, best_err = tuple(coef), err
-    if best is None or best[1] == 0 and best[2] == 0:
-        return None  # a cost that does not grow with the length: nothing to estimate from
-    return best
-
-
-def from_turns(turns: Sequence) -> PrefillModel | None:
+def from_turns(turns: Sequence, windows=()) -> PrefillModel | None:
     """Fitted from recorded turns (``store.TurnRecord``) that prefilled at least
     ``MIN_TOKENS``: their time to first token against what they fed after what was cached."""
     samples = [Sample(t.prefilled_tokens, t.cached_tokens, t.ttft_s) for t in turns
                if t.prefilled_tokens >= MIN_TOKENS]
-    return fit(samples, "turns")
+    return fit(samples, "turns", windows)
+
+
+def windows_of(engine) -> tuple[tuple[int, float], ...]:
+    return getattr(engine.info(), "attention", ())
 
 
 def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
@@ -257,7 +104,7 @@ def for_conversation(engine, turns: Sequence, *, calibrate_now: bool = True,
     ``calibrate_now``; it takes seconds, on the thread that runs the model, and
     ``progress`` is told first; ``stopped()`` is asked before each run of it and stops it
     with ``Stopped``)."""
-    fitted = from_turns(turns)
+    fitted = from_turns(turns, windows_of(engine))
     if fitted is not None:
         return fitted
     # The deep run only for a conversation whose prompts reach past the calibrated lengths:
@@ -339,7 +186,7 @@ def calibration(engine, *, measure: bool = True, again: bool = False, deep: bool
     wanted = (deep or has_deep) and depth_for(engine) > 0
     lacking = kept is not None and wanted and not has_deep
     if kept is not None and not again and not (lacking and measure):
-        return fit(kept, "calibration")
+        return fit(kept, "calibration", windows_of(engine))
     if not measure:
         return None
     if progress is not None:
@@ -353,7 +200,7 @@ def calibration(engine, *, measure: bool = True, again: bool = False, deep: bool
         if (s.tokens, s.start) not in fastest or s.seconds < fastest[s.tokens, s.start].seconds:
             fastest[s.tokens, s.start] = s
     samples = sorted(fastest.values(), key=lambda s: (s.tokens, s.start))
-    model = fit(samples, "calibration")
+    model = fit(samples, "calibration", windows_of(engine))
     if model is not None:
         write_calibration(path, key, samples)
     return model

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
-from localchat.prefillmodel import PrefillModel  # noqa: E402 (no MLX: the estimate's formula)
+from localchat.prefillfit import PrefillModel  # noqa: E402 (no MLX: the estimate's formula)
 
 PROMPTS = ("What is the capital of France?", "And of Germany?", "And of Italy?")
 

@@ -69,3 +69,25 @@ def family_engine(request, tmp_path):
     config = _json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(_json.dumps({**config, "max_position_embeddings": 4096}))
     return request.param, Engine.load(str(folder))
+
+
+def test_each_family_says_how_far_its_layers_look_back(family_engine):
+    """``ModelInfo.attention`` (what the prefill model spreads the attention term over): the
+    sliding windows and attention chunks with their share of the attention's width; () where
+    every attending layer keeps every position (MLA, the sparse indexer's keys, recurrent
+    hybrids) or none attends (Mamba 2). The cost model's pieces are the engine's."""
+    from families import WINDOW
+
+    from localchat import engine as engine_module
+    from localchat import prefillfit
+
+    name, engine = family_engine
+    windowed = {"baichuan_m1": ((0, 1 / 2), (WINDOW, 1 / 2)),
+                "gemma3_text": ((0, 1 / 3), (WINDOW, 2 / 3)),
+                "gpt_oss": ((0, 1 / 2), (WINDOW, 1 / 2)),
+                "llama4": ((0, 1 / 4), (WINDOW, 3 / 4))}
+    got = engine.info().attention
+    want = windowed.get(name, ())
+    assert [w for w, _ in got] == [w for w, _ in want]
+    assert [share for _, share in got] == pytest.approx([share for _, share in want])
+    assert prefillfit.CHUNK == engine_module.PREFILL_CHUNK

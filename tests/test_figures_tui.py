@@ -11,7 +11,7 @@ from textual.geometry import Region
 
 from localchat.cachereport import CacheReport, LayerKind, TurnView
 from localchat.events import Usage
-from localchat.prefillmodel import PrefillModel
+from localchat.prefillfit import PrefillModel
 from localchat.tui.cachescreen import CacheScreen, turn_bars
 from localchat.tui.composer import Composer
 from localchat.tui.statusbar import Part, StatusBar, fit, usage_parts

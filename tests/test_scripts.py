@@ -96,6 +96,14 @@ def _families(r: dict) -> None:
     assert all(len(f["turns"]) == 4 and f["turns"][-1]["cached"] > 0 for f in r["families"])
 
 
+def _windows(r: dict) -> None:
+    # The tiny Gemma 3's 16-token windows on 2 of 3 layers; both fits read every prefill.
+    assert r["windows"] == [[0, 1 / 3], [16, 2 / 3]]
+    assert set(r["measured_s"]) == {"64@0", "256@0", "256@512"}
+    assert set(r["ratios"]) == {"windows", "as if global"}
+    assert all(set(v) == set(r["measured_s"]) for v in r["ratios"].values())
+
+
 def _kvquant(r: dict) -> None:
     assert [(s["bits"], s["group"]) for s in r["settings"]] == [(8, 32), (4, 32)]
     assert not r["settings"][0]["refused"]  # 8-bit passes the gate: the quantized turns ran
@@ -178,6 +186,8 @@ CASES = {
                    "serve_empty_s", "serve_stored_s", "clients", "gaps"}, _serve),
     "share": Case({"prompt_tokens", "shared_cached_tokens", "shared_ttft_s", "alone_ttft_s",
                    "fork_bytes_written", "fork_next_turn"}, _share),
+    "windows": Case({"layer_mix", "windows", "calibration_s", "measured_s", "ratios",
+                     "worst_error"}, _windows, model=False),
 }
 
 

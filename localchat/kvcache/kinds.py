@@ -189,6 +189,24 @@ def describe_mix(specs: list[LeafSpec], layers: int) -> str:
     return f"{layers} layers{extra}: {parts}"
 
 
+def attention_windows(specs: list[LeafSpec]) -> tuple[tuple[int, float], ...]:
+    """How far back the attending leaves look, for the prefill cost model
+    (``prefillfit.attended``): (window, share) pairs, window 0 for a leaf that keeps every
+    position, a sliding window's size, a chunk's; ``share`` the part of the attention's width
+    (KV heads x key + value width) those leaves have. () when every attending leaf keeps every
+    position: the plain n·(k + n/2) then holds. Recurrent leaves attend nothing."""
+    widths: dict[int, int] = {}
+    for s in specs:
+        width = s.k_shape[0] * s.k_shape[1] + s.v_shape[0] * s.v_shape[1]
+        if width:
+            window = 0 if s.kind == GROWING else s.window
+            widths[window] = widths.get(window, 0) + width
+    total = sum(widths.values())
+    if not total or set(widths) == {0}:
+        return ()
+    return tuple((w, n / total) for w, n in sorted(widths.items()))
+
+
 # -- growing leaves --------------------------------------------------------------------------
 
 
