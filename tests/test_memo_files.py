@@ -291,3 +291,27 @@ def test_a_changed_sidecar_rebuilds_the_cpu_weights_with_a_notice(home, quantize
     assert mx.array_equal(again.model(x), expected)
     assert json.loads(side.read_text()) == meta  # rebuilt: the same file, a sound check
     assert Engine.load(str(quantized_model)).notices == []
+
+
+def test_the_weights_are_checked_in_memory_without_reading_the_file_twice(tmp_path,
+                                                                          monkeypatch):
+    """A file ``save_checked`` wrote is read once: its digest is taken over what MLX read (the
+    file's digest, recomputed: ``derived.digest`` is never called), and a flipped data byte
+    is refused that way. The control: a header that is not float32 end to end is hashed
+    through the file as before."""
+    path = tmp_path / "w.safetensors"
+    tensors = {"b": mx.ones((3, 5), mx.float32), "a": mx.arange(70_000, dtype=mx.float32)}
+    derived.save_checked(path, tensors, "src")
+    calls = []
+    real = derived._KINDS["xxh3"]
+    monkeypatch.setitem(derived._KINDS, "xxh3", (real[0], lambda p: calls.append(p) or
+                                                 real[1](p)))
+    got = derived.load_checked(path, "src")
+    assert all(mx.array_equal(got[k], tensors[k]) for k in tensors) and calls == []
+    _flip_bit(path, path.stat().st_size - 3)
+    assert _refused(path, "src") == "w.safetensors is damaged (checksum)" and calls == []
+    _flip_bit(path, path.stat().st_size - 3)
+    other = tmp_path / "h.safetensors"
+    derived.save_checked(other, {"h": mx.ones((4,), mx.float16)}, "src")
+    assert mx.array_equal(derived.load_checked(other, "src")["h"], mx.ones((4,), mx.float16))
+    assert calls == [other]
