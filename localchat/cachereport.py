@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import prefillmodel, window
+from . import prefillfit, prefillmodel, window
 from .fmt import human_bytes
 from .kvcache.folder import CacheInvalid
 from .kvcache.kinds import BOUNDED, GROWING
@@ -110,7 +110,7 @@ def report(session, conv, *, calibrate: bool = True, progress=None,
                                           progress=progress, stopped=stopped) if turns else None
     no_estimate = "" if model else (
         f"a model split over {engine.group.size} ranks is not calibrated; its own turns give "
-        f"one once {prefillmodel.MIN_SAMPLES} of {prefillmodel.MIN_TOKENS}+ tokens differ in "
+        f"one once {prefillfit.MIN_SAMPLES} of {prefillmodel.MIN_TOKENS}+ tokens differ in "
         f"length" if split else "no measurements yet")
     views = []
     for t in turns:

@@ -54,7 +54,7 @@ from . import paths
 from .files import atomic_write, xxh3
 from .kvcache import synthetic
 from .kvcache.synthetic import drain as _drain
-from .prefillfit import MIN_SAMPLES, OUTLIER, PrefillModel, Sample, fit  # noqa: F401
+from .prefillfit import OUTLIER, PrefillModel, Sample, fit
 
 MIN_TOKENS = 64  # a turn that prefilled fewer is mostly fixed overhead: it says little
 # A few hundred tokens (seconds on a small model), densest where turns are: the cost per token

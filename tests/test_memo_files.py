@@ -315,3 +315,30 @@ def test_the_weights_are_checked_in_memory_without_reading_the_file_twice(tmp_pa
     derived.save_checked(other, {"h": mx.ones((4,), mx.float16)}, "src")
     assert mx.array_equal(derived.load_checked(other, "src")["h"], mx.ones((4,), mx.float16))
     assert calls == [other]
+
+
+@pytest.mark.parametrize("header", [
+    {"a": 5}, {"a": None}, {"a": {"dtype": "F32", "shape": "x", "data_offsets": [0, 4]}},
+    {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 8]}},
+    {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
+    {"a": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}},
+    {"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}},
+    {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+     "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+    {"__metadata__": {"x": "y"}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
+    [1, 2], "text"])
+def test_a_header_of_any_shape_with_a_matching_digest_is_one_line_or_read(tmp_path, header):
+    """Headers a crafted or damaged file could carry, with a sidecar that matches their bytes
+    (so only the layout is wrong): each is read as MLX reads it or refused in one line, never
+    an exception of another kind."""
+    path = tmp_path / "w.safetensors"
+    body = json.dumps(header).encode()
+    path.write_bytes(len(body).to_bytes(8, "little") + body + b"\x00\x00\x80\x3f")
+    meta = {"source": "src", "nbytes": path.stat().st_size, "xxh3": derived.digest(path)}
+    path.with_name(path.name + ".check.json").write_text(json.dumps(meta))
+    try:
+        got = derived.load_checked(path, "src")
+    except derived.DerivedDamaged as err:
+        assert "\n" not in str(err) and str(err).startswith(path.name)
+    else:
+        assert isinstance(got, dict)

@@ -148,8 +148,9 @@ def _loaded_and_checked(path: Path, want: str) -> dict | None:
     for name, t in spec.items():
         if name == "__metadata__":
             continue
-        shape = t.get("shape") if type(t) is dict else None
-        span = t.get("data_offsets") if type(t) is dict else None
+        if type(t) is not dict:
+            return None
+        shape, span = t.get("shape"), t.get("data_offsets")
         if t.get("dtype") != "F32" or type(shape) is not list or type(span) is not list or \
                 len(span) != 2 or not all(type(v) is int and v >= 0 for v in shape + span) or \
                 span[1] - span[0] != 4 * math.prod(shape):
