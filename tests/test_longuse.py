@@ -350,3 +350,51 @@ async def test_what_threads_post_while_the_test_harness_closes_the_app_is_no_exc
     stop.set()
     thread.join(5)
 
+
+
+async def test_a_finished_turn_whose_handler_awaits_through_the_shutdown_is_no_exception(
+        home, engine):
+    """The finished turn's handler awaits (the stream's end, the stopped mark) and Textual may
+    begin to close the app meanwhile (CI at b17a8da: ``MountError`` in ``ChatView.show`` when
+    the handler went on to redraw the conversation). Here the stream's end returns only once
+    the shutdown has begun, with a message another process stored to redraw; the control:
+    the same handler on an open app redraws it."""
+    import asyncio
+    import time
+
+    from localchat.events import Usage
+    from localchat.tui.messages import TurnFinishedMsg
+
+    long_conversation("c", 2)
+    usage = Usage(10, 5, 5, 2, 0.1, 50.0, 10.0, 12, 1024, 0, 0, "")
+
+    def add_reply(text: str) -> None:
+        other = Store.open(paths.database_path())
+        other.add_message(other.get("c"), "assistant", text)
+        other.close()
+
+    app = app_on(engine, "c")
+    async with app.run_test(size=(120, 40)) as pilot:  # (the control)
+        await opened(app, pilot)
+        before = len(app.query_one(ChatView).query("AssistantMessage"))
+        add_reply("drawn while open")
+        app.post_message(TurnFinishedMsg(usage, "drawn while open", stopped=False))
+        await pilot.pause(0.3)
+        assert len(app.query_one(ChatView).query("AssistantMessage")) == before + 1
+    app = app_on(engine, "c")
+    closing = asyncio.Event()
+
+    async def end_stream_late() -> None:  # back once the shutdown has removed the view
+        t0 = time.monotonic()
+        while chat.is_attached and time.monotonic() - t0 < 10:
+            await asyncio.sleep(0.01)
+        closing.set()
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        await opened(app, pilot)
+        chat = app.query_one(ChatView)
+        app._end_stream = end_stream_late
+        add_reply("drawn while closing")
+        app.post_message(TurnFinishedMsg(usage, "drawn while closing", stopped=False))
+        await asyncio.sleep(0.1)  # (the handler now waits in the stream's end)
+    assert closing.is_set()

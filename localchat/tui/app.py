@@ -415,6 +415,8 @@ class LocalchatApp(Actions, App):
             replies = chat.query("AssistantMessage")
             if replies:
                 await replies.last().append("\n\n_(stopped)_")
+        if not self.is_open:  # closed while it awaited: the widgets may be gone (CI, b17a8da)
+            return
         self.busy = False
         self.query_one(StatusBar).show_usage(msg.usage)
         if self.sync_current():
