@@ -18,9 +18,11 @@ REFERENCE = attention.mlx_attention()  # MLX's own, taken before any test replac
 LAYOUTS = {
     "one block": {},
     # one query row per block, and K @ qᵀ (host transpose) for every block
-    "row blocks, transposed": {"BLOCK_SCORES": 1, "FEW_ROWS": 1 << 30},
+    "row blocks, transposed": {"BLOCK_SCORES": 1, "MIN_ROWS": 1, "FEW_ROWS": 1 << 30},
     # three query rows per block with the 2 x 8 x 33 inputs, q @ Kᵀ always
-    "3-row blocks": {"BLOCK_SCORES": 3 * 2 * 8 * 33, "FEW_ROWS": 0},
+    "3-row blocks": {"BLOCK_SCORES": 3 * 2 * 8 * 33, "MIN_ROWS": 1, "FEW_ROWS": 0},
+    # blocks of BLOCK_SCORES would be one row: MIN_ROWS makes them two
+    "2-row blocks at least": {"BLOCK_SCORES": 1, "MIN_ROWS": 2, "FEW_ROWS": 0},
 }
 
 
