@@ -18,6 +18,8 @@ import shutil
 
 import mlx.core as mx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from tiny import build_tiny_model
 
 from localchat import models, paths
@@ -334,6 +336,39 @@ def test_a_header_of_any_shape_with_a_matching_digest_is_one_line_or_read(tmp_pa
     path = tmp_path / "w.safetensors"
     body = json.dumps(header).encode()
     path.write_bytes(len(body).to_bytes(8, "little") + body + b"\x00\x00\x80\x3f")
+    meta = {"source": "src", "nbytes": path.stat().st_size, "xxh3": derived.digest(path)}
+    path.with_name(path.name + ".check.json").write_text(json.dumps(meta))
+    try:
+        got = derived.load_checked(path, "src")
+    except derived.DerivedDamaged as err:
+        assert "\n" not in str(err) and str(err).startswith(path.name)
+    else:
+        assert isinstance(got, dict)
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                max_size=3),
+    max_leaves=8)
+_ENTRY = st.fixed_dictionaries({}, optional={
+    "dtype": st.sampled_from(["F32", "F16", "I8"]) | _JSON,
+    "shape": st.lists(st.integers(-2, 3), max_size=2) | _JSON,
+    "data_offsets": st.lists(st.integers(-8, 16), max_size=3) | _JSON})
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(header=st.dictionaries(st.text(max_size=4), _ENTRY | _JSON, max_size=3) | _JSON,
+       data=st.binary(max_size=16))
+def test_generated_headers_with_a_matching_digest_are_read_or_refused_in_one_line(
+        tmp_path, header, data):
+    """Headers of every JSON type and entries of every wrong field, their digest matching:
+    read as MLX reads them, or refused in one line."""
+    path = tmp_path / "g.safetensors"
+    body = json.dumps(header).encode()
+    path.write_bytes(len(body).to_bytes(8, "little") + body + data)
     meta = {"source": "src", "nbytes": path.stat().st_size, "xxh3": derived.digest(path)}
     path.with_name(path.name + ".check.json").write_text(json.dumps(meta))
     try:
