@@ -22,7 +22,7 @@ class Notice:
 
 @dataclass
 class Step:
-    """A model step a turn asks the scheduler for (``scheduler.py``), only while one drives
+    """A model step a turn asks the scheduler for (``session/scheduler.py``), only while one drives
     the session (``Session.stepped``): feed ``token`` (an (n,) MLX array: one token to decode,
     or a prompt chunk) into ``cache``; the scheduler runs it in one model call with other
     turns' steps and puts the last position's ``logits`` here before the turn goes on
@@ -95,7 +95,7 @@ class Usage:
     checkpoints: bool = False  # the model has bounded layers: resumes from checkpoints
     draft_tokens: int = 0  # of cached_tokens: the message's, prefilled before it was sent
     reasoning_tokens: int = 0  # of completion_tokens: the model's reasoning
-    lookup_drafted: int = 0  # prompt-lookup draft tokens verified (``speculative.py``)
+    lookup_drafted: int = 0  # prompt-lookup draft tokens verified (``session/speculative.py``)
     lookup_accepted: int = 0  # of those, the ones the model agreed with (in the reply)
 
     @classmethod

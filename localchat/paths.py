@@ -110,10 +110,11 @@ def tokenizer_checks_path() -> Path:
 
 
 def code_cache_dir() -> Path:
-    """mlx-lm's modules compiled without their transformers imports (``mlxlm.py``)."""
+    """mlx-lm's modules compiled without their transformers imports (``model/mlxlm.py``)."""
     return data_home() / "code-cache"
 
 
 def prefill_models_dir() -> Path:
-    """Each model's measured prefill cost on this machine (``prefillmodel.py``; derived)."""
+    """Each model's measured prefill cost on this machine (``cacheview/prefillmodel.py``;
+    derived)."""
     return data_home() / "prefill-models"

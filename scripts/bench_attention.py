@@ -66,7 +66,7 @@ def main() -> None:
     import mlx.core as mx
 
     import localchat.cpu.attention as attention
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(args.model)
     if not attention.installed():

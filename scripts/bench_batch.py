@@ -4,7 +4,7 @@ Side by side in one run, on the default model (or -m MODEL):
 1. ``localchat batch`` over a 16-line JSONL file (one process; the shared prefix is prefilled
    once and reused from the prefix pool);
 2. the same with ``--parallel 16`` (the lines decoded together on localchat's scheduler,
-   ``localchat/scheduler.py``; replies compared with 1.);
+   ``localchat/session/scheduler.py``; replies compared with 1.);
 3. 16 sequential ``localchat ask --system … PROMPT`` processes (each a new conversation);
 4. in one process, the decode strategies on the same 16 prompts, each starting from the
    shared prefix in a ``PrefixPool``: localchat's one-at-a-time decode (``Session.complete``)
@@ -58,11 +58,11 @@ def in_process(model: str | None, questions: list[str], system_tokens: int,
     backend.prepare()
     from mlx_lm.generate import batch_generate
 
-    from localchat.engine import Engine
     from localchat.kvcache.folder import common_prefix
     from localchat.kvcache.prefixes import PrefixPool
-    from localchat.session import Session, TurnFinished, TurnOptions
-    from localchat.store import Store
+    from localchat.model.engine import Engine
+    from localchat.session.session import Session, TurnFinished, TurnOptions
+    from localchat.store.database import Store
 
     engine = Engine.load(model)
     system = system_prompt(engine, system_tokens)
@@ -118,7 +118,7 @@ def main() -> None:
     env = {**os.environ, "LOCALCHAT_HOME": str(home)}
     model_args = ["-m", args.model] if args.model else []
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(args.model)
     system = system_prompt(engine, system_tokens)

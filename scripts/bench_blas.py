@@ -42,7 +42,7 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
     backend.prepare()
     import mlx.core as mx
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(model)
     ids = engine.encode(benchlib.FILLER * (prompt // 20 + 1))[:prompt]

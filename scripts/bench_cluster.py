@@ -91,7 +91,7 @@ def main() -> None:
 
     backend.prepare()
     if args.model:
-        from localchat.models import resolve
+        from localchat.model.resolve import resolve
 
         ref = resolve(args.model)
         model, name = Path(ref.path), ref.name

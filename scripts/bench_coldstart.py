@@ -114,12 +114,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # The steps of a start, as functions the driver times (those a version lacks are left out):
 # (step, "module:qualified name"). Engine.load's own time, less the steps inside it, is the
 # model and tokenizer with their imports.
-STEPS = [("database", "localchat.store:Store.open"),
-         ("model folder", "localchat.engine:resolve"),
-         ("model digest", "localchat.engine:model_digest"),
+STEPS = [("database", "localchat.store.database:Store.open"),
+         ("model folder", "localchat.model.engine:resolve"),
+         ("model digest", "localchat.model.engine:model_digest"),
          ("CPU weights", "localchat.cpu.backend:tune"),
-         ("load (all)", "localchat.engine:Engine.load"),
-         ("turn", "localchat.session:Session.turn")]
+         ("load (all)", "localchat.model.engine:Engine.load"),
+         ("turn", "localchat.session.session:Session.turn")]
 
 DRIVER = r"""
 import json, os, sys, time, importlib, functools, inspect
@@ -145,7 +145,7 @@ def timed(step, fn, gen):
                 spent[step] = spent.get(step, 0.0) + time.time() - t
         return functools.wraps(fn)(plain)
     return inner
-import localchat.cli as cli
+import localchat.cli.main as cli
 marks["imports"] = time.time() - t_spawn
 for step, where in json.loads(os.environ["STEPS"]):
     mod, _, name = where.partition(":")
@@ -175,7 +175,7 @@ getattr(cli, "exit_now", sys.exit)(code)  # as ``localchat`` exits (versions bef
 SEED = """
 import json, sys
 import localchat.paths as paths
-from localchat.store import Store
+from localchat.store.database import Store
 store = Store.open(paths.database_path())
 conv = store.create("resumed", sys.argv[1])
 for m in json.loads(sys.argv[2]):
@@ -253,8 +253,8 @@ def main() -> None:
     import localchat.paths as paths
 
     backend.prepare()
-    from localchat.engine import Engine
-    from localchat.store import Store
+    from localchat.model.engine import Engine
+    from localchat.store.database import Store
 
     engine = Engine.load(args.model)
     messages = benchlib.filler_messages(engine, history)

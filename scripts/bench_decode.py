@@ -9,7 +9,7 @@ Side by side in one run, on the default model (or -m MODEL), same prompt:
 3. CPU attention: the same turn with MLX's own attention (``LOCALCHAT_CPU_ATTENTION=mlx``)
    in the same process, rounds interleaved with ours (localchat/cpu/attention.py). ``--history N``
    puts an N-token conversation before the prompt, where attention weighs more.
-4. prompt lookup (localchat/speculative.py): decode tok/s of ``--speculate off`` and
+4. prompt lookup (localchat/session/speculative.py): decode tok/s of ``--speculate off`` and
    ``lookup`` turns, rounds interleaved, on a copy-heavy task (``COPY_TASK``: a 60-line
    function given back with one name changed) and a free-form one (``FREE_TASK``), with
    whether the two replies are the same text and the draft tokens accepted / verified.
@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
-# Prompt lookup (localchat/speculative.py): a copy-heavy task, a 60-line function to give back
-# with one name changed, and a free-form one.
+# Prompt lookup (localchat/session/speculative.py): a copy-heavy task, a 60-line function to give
+# back with one name changed, and a free-form one.
 FUNCTION = """def summarize_orders(orders, customers, tax_rate=0.2, currency="EUR"):
     \"\"\"Group orders by customer and return one summary row per customer.\"\"\"
     by_customer = {}
@@ -124,10 +124,10 @@ def measure(model: str | None, trials: int, tokens: int, words: int, history: in
     from mlx_lm.sample_utils import make_sampler
 
     import localchat.cpu.attention as attention
-    from localchat.engine import Engine
     from localchat.events import TurnFinished, Usage
-    from localchat.session import Session, TurnOptions
-    from localchat.store import Store
+    from localchat.model.engine import Engine
+    from localchat.session.session import Session, TurnOptions
+    from localchat.store.database import Store
 
     engine = Engine.load(model)
     ours_attn = attention.installed()  # False off the CPU: both rows then run MLX's
@@ -187,7 +187,7 @@ def measure_lookup(engine, store, trials: int, tokens: int, lines: int = 60) -> 
     (``no_cache``) in a conversation of its own, so the two paths see the same work."""
     import localchat.paths as paths
     from localchat.events import TurnFinished
-    from localchat.session import Session, TurnOptions
+    from localchat.session.session import Session, TurnOptions
 
     out = {}
     for task, prompt in (("copy", copy_task(lines)), ("free", FREE_TASK)):
@@ -232,8 +232,8 @@ def lookup_only(args, trials: int, tokens: int) -> None:
     import localchat.paths as paths
 
     backend.prepare()
-    from localchat.engine import Engine
-    from localchat.store import Store
+    from localchat.model.engine import Engine
+    from localchat.store.database import Store
 
     engine = Engine.load(args.model)
     store = Store.open(paths.database_path())

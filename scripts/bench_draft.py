@@ -172,7 +172,7 @@ def main() -> None:
     import localchat.cpu.backend as backend
 
     backend.prepare()
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
     from localchat.tui.app import LocalchatApp
 
     engine = Engine.load(args.model)

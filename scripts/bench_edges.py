@@ -67,7 +67,7 @@ def counter(model: str | None):
     """Tokens a text is (the model's tokenizer.json; the template adds a few per message)."""
     from tokenizers import Tokenizer
 
-    from localchat.models import resolve
+    from localchat.model.resolve import resolve
 
     tok = Tokenizer.from_file(str(resolve(model).path / "tokenizer.json"))
     return lambda text: len(tok.encode(text, add_special_tokens=False).ids)

@@ -63,8 +63,8 @@ def main() -> None:
     backend.prepare()
     from families import FAMILIES
 
-    from localchat.engine import Engine, now
-    from localchat.session import Session, TurnOptions, open_session
+    from localchat.model.engine import Engine, now
+    from localchat.session.session import Session, TurnOptions, open_session
 
     root = home / "families"
     rows, results = [], []

@@ -2,7 +2,7 @@
 
 On the default model (or -m MODEL), as a new user would: a conversation of three short
 turns (``localchat ask -c NAME --json``), then ``inspect -c NAME --json`` (its estimates come
-from the prefill model, ``localchat/prefillmodel.py``: here a calibration, as three short
+from the prefill model, ``localchat/cacheview/prefillmodel.py``: here a calibration, as three short
 turns cannot say). For each turn with a cache, the truth it is checked against: the same turn
 answered with ``--no-cache`` on copies of the conversation before it (``localchat fork``; the
 median of the trials' TTFT) less the turn's own TTFT. Then one full prefill of a long prompt
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import benchlib  # noqa: E402
 
-from localchat.prefillfit import PrefillModel  # noqa: E402 (no MLX: the estimate's formula)
+from localchat.cacheview.prefillfit import PrefillModel  # noqa: E402 (no MLX: the estimate's formula)
 
 PROMPTS = ("What is the capital of France?", "And of Germany?", "And of Italy?")
 

@@ -35,7 +35,7 @@ TURNS = ["What is the capital of France?",
 
 def run_script(session, name: str, bits: int | None, group: int | None, max_tokens: int):
     """Replies (token ids) of the 4 turns, each from a fresh session (resumed from disk)."""
-    from localchat.session import Session, TurnOptions
+    from localchat.session.session import Session, TurnOptions
 
     conv = session.conversation(name, kv_bits=bits, kv_group=group)
     replies = []
@@ -57,7 +57,7 @@ def main() -> None:
     backend.prepare()
     import localchat.kvcache.kinds as ck
     from localchat.errors import BadInput
-    from localchat.session import open_session
+    from localchat.session.session import open_session
 
     session = open_session(args.model)
     max_tokens = benchlib.pick(args, 48, 24, 8)

@@ -46,10 +46,10 @@ def main() -> None:
     backend.prepare()
     import time
 
-    from localchat.engine import Engine
     from localchat.events import TurnFinished
-    from localchat.session import Session, TurnOptions
-    from localchat.store import Store
+    from localchat.model.engine import Engine
+    from localchat.session.session import Session, TurnOptions
+    from localchat.store.database import Store
 
     engine = Engine.load(args.model)
     store = Store.open(paths.database_path())

@@ -30,7 +30,7 @@ ENGLISH = "violet umbrella parade"
 
 def fill(store, n: int) -> None:
     """``n`` conversations of ten messages, in one transaction (the chains computed after)."""
-    from localchat.migrations import rechain
+    from localchat.store.migrations import rechain
 
     now = time.time()
     with store._tx():  # noqa: SLF001 - setting up a large folder fast, not a use of the API
@@ -62,7 +62,7 @@ def main() -> None:
 
     backend.prepare()
     from localchat import paths
-    from localchat.store import Store
+    from localchat.store.database import Store
 
     store = Store.open(paths.database_path())
     t = time.perf_counter()
@@ -111,7 +111,7 @@ async def app_times(home: Path, trials: int) -> tuple[float, float]:
     sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
     from tiny import build_tiny_model
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
     from localchat.tui.app import LocalchatApp
     from localchat.tui.sidebar import ConversationItem, MoreItem, Sidebar
 

@@ -77,7 +77,7 @@ def main() -> None:
     import mlx_lm.sample_utils as su
     from families import build_family
 
-    from localchat.session import Session, TurnOptions, open_session
+    from localchat.session.session import Session, TurnOptions, open_session
 
     state = force_thinking(think)
     rows, results = [], []

@@ -49,11 +49,11 @@ def main() -> None:
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     import localchat.cpu.attention as attention
-    from localchat.engine import Engine, make_prompt_cache
     from localchat.events import TurnFinished
     from localchat.kvcache.folder import common_prefix
-    from localchat.session import Session, TurnOptions
-    from localchat.store import Store
+    from localchat.model.engine import Engine, make_prompt_cache
+    from localchat.session.session import Session, TurnOptions
+    from localchat.store.database import Store
 
     engine = Engine.load(args.model)
     info = engine.info()

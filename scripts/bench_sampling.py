@@ -1,13 +1,13 @@
 """Which temperature suits a model's sampled replies: how often they end, how long, how right.
 
-What the app and ``serve`` use when nothing is set (``sampling.py``) decides whether a user's
+What the app and ``serve`` use when nothing is set (``model/defaults.py``) decides whether a user's
 first question ends on its own. For each temperature (top-p 0.9) and each of a few ordinary
 chat prompts (English and Korean), this runs the prompt in a new conversation over many seeds,
 plus one greedy run as the control, on the default model (or -m MODEL) in a scratch data
 folder, one model load, each a lone turn through ``Session.turn`` as ``ask --temp T --seed S``
 runs it (seed by seed over the temperatures, so a run stopped early is balanced). Per
 temperature and prompt: how many replies ended on their own (EOS, finish ``stop``) within the
-cap, the median and largest length in tokens, how many the loop cut ended (``generation.py``
+cap, the median and largest length in tokens, how many the loop cut ended (``session/generation.py``
 ``looping``), and how many name the expected answer where the prompt has one (France → Paris,
 Korea → 서울/Seoul).
 
@@ -79,7 +79,7 @@ def run_prompt(session, prompt: str, temp: float, seed: int | None, cap: int,
                penalty: float = 1.0) -> dict:
     """One turn in a new conversation, as ``ask --temp T --seed S`` runs it: finish, tokens,
     loop cut, reply."""
-    from localchat.session import Notice, TurnFinished, TurnOptions
+    from localchat.session.session import Notice, TurnFinished, TurnOptions
 
     conv = session.conversation(None)
     options = TurnOptions(max_tokens=cap, temp=temp, top_p=0.9 if temp > 0 else 1.0,
@@ -134,8 +134,8 @@ def main() -> None:
         prompts = [p for p in PROMPTS if p[0] in args.prompts.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     benchlib.scratch_home()
-    import localchat.generation as generation
-    from localchat.session import open_session
+    import localchat.session.generation as generation
+    from localchat.session.session import open_session
 
     looping = generation.looping
     if args.uncut:

@@ -184,8 +184,8 @@ def main() -> None:
     import localchat.cpu.backend as backend
 
     backend.prepare()
-    from localchat.engine import Engine
-    from localchat.models import resolve
+    from localchat.model.engine import Engine
+    from localchat.model.resolve import resolve
 
     ref = resolve(args.model)
     model = str(ref.path)
@@ -441,7 +441,7 @@ def fill(home: Path, model: str, n: int) -> None:
     os.environ["LOCALCHAT_HOME"] = str(home)
     from localchat import paths
     from localchat.kvcache.folder import CacheFolder
-    from localchat.session import TurnOptions, open_session
+    from localchat.session.session import TurnOptions, open_session
 
     session = open_session(model)
     seeds = []

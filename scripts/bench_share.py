@@ -36,7 +36,7 @@ def main() -> None:
     import localchat.cpu.backend as backend
 
     backend.prepare()
-    from localchat.session import Session, TurnOptions, open_session
+    from localchat.session.session import Session, TurnOptions, open_session
 
     session = open_session(args.model)
     engine = session.engine

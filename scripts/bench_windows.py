@@ -60,8 +60,8 @@ def main() -> None:
     backend.prepare()
     import mlx.core as mx
 
-    from localchat import prefillfit, prefillmodel
-    from localchat.engine import Engine
+    from localchat.cacheview import prefillfit, prefillmodel
+    from localchat.model.engine import Engine
 
     engine = Engine.load(str(build(home / "gemma3-shaped", args.smoke)))
     windows = engine.info().attention

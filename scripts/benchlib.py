@@ -10,7 +10,7 @@ still takes every step (warm-up, each kind of trial, the table, the JSON line): 
 run's figures mean nothing; its JSON line says ``"mode": "smoke"``.
 
 The scripts name localchat's modules by their dotted paths (``import localchat.cpu.backend as
-backend``, ``from localchat.engine import Engine``), so a module that moves is one search and
+backend``, ``from localchat.model.engine import Engine``), so a module that moves is one search and
 replace away.
 """
 

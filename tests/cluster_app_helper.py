@@ -17,10 +17,10 @@ from localchat.cpu import backend
 backend.prepare()
 
 from localchat import paths  # noqa: E402
-from localchat.cli import build_parser  # noqa: E402
-from localchat.cli_session import start_cluster  # noqa: E402
+from localchat.cli.main import build_parser  # noqa: E402
+from localchat.cli.start import start_cluster  # noqa: E402
 from localchat.cluster import launch  # noqa: E402
-from localchat.store import Store  # noqa: E402
+from localchat.store.database import Store  # noqa: E402
 from localchat.tui.app import LocalchatApp  # noqa: E402
 from localchat.tui.cachescreen import CacheScreen  # noqa: E402
 from localchat.tui.chatview import AssistantMessage  # noqa: E402

@@ -46,7 +46,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_model):
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     return Engine.load(str(tiny_model))
 
@@ -60,7 +60,7 @@ def home(tmp_path, monkeypatch) -> Path:
 @pytest.fixture
 def store(home):
     from localchat import paths
-    from localchat.store import Store
+    from localchat.store.database import Store
 
     s = Store.open(paths.database_path())
     yield s
@@ -70,7 +70,7 @@ def store(home):
 @pytest.fixture
 def session(store, engine, home):
     from localchat import paths
-    from localchat.session import Session
+    from localchat.session.session import Session
 
     return Session(store, engine, paths.kv_root(), paths.locks_dir())
 
@@ -154,7 +154,7 @@ def small(tmp_path_factory):
     from families import build_family
     from windowed import CONTEXT
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     made: dict[str, Engine] = {}
 

@@ -23,8 +23,9 @@ def main():
     from localchat.cpu import backend
 
     backend.prepare()
-    from localchat import files, store
-    from localchat.engine import Engine
+    from localchat import files
+    from localchat.model.engine import Engine
+    from localchat.store import database as store
 
     if mode == "kill-prefill":
         real = Engine.prefill
@@ -35,7 +36,7 @@ def main():
             die()
         Engine.prefill = prefill
     elif mode in ("kill-decode", "slow-decode"):
-        from localchat import speculative
+        from localchat.session import speculative
 
         # Every turn decodes through here, plain or with prompt lookup.
         real_decode = speculative.decode
@@ -68,7 +69,7 @@ def main():
                 die()
             return real_add(self, conv, role, content, partial, extra)
         store.Store.add_message = add_message
-    from localchat.cli import main as cli_main
+    from localchat.cli.main import main as cli_main
 
     sys.exit(cli_main(args))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from localchat.engine import PREFILL_CHUNK, Engine
+from localchat.model.engine import PREFILL_CHUNK, Engine
 
 
 class ScriptedEngine(Engine):

@@ -10,7 +10,7 @@ tokens instead of a 150k vocabulary, the same pipeline.
 
 ``build(family, folder, plain=True)`` writes tokenizer.json, tokenizer_config.json and
 config.json; ``plain=False`` keeps the family's own tokenizer class and model type (which
-transformers treats its own way: ``localchat.tokenizer.check``).
+transformers treats its own way: ``localchat.model.tokenizer.check``).
 """
 
 from __future__ import annotations

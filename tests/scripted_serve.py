@@ -12,8 +12,8 @@ backend.prepare()
 
 from fakes import ScriptedEngine  # noqa: E402
 
-from localchat.cli import main  # noqa: E402
-from localchat.engine import Engine  # noqa: E402
+from localchat.cli.main import main  # noqa: E402
+from localchat.model.engine import Engine  # noqa: E402
 
 _load = Engine.load.__func__
 REPLIES = json.loads(os.environ["SCRIPTED_REPLIES"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import anthropic
 import openai
 
-from localchat.store import Conversation, Message, Store
+from localchat.store.database import Conversation, Message, Store
 
 KINDS = ["llama", "gemma3_text", "qwen3_next"]  # growing; sliding window; hybrid (recurrent)
 

@@ -9,8 +9,8 @@ from twins import full_prefill, run_turn
 
 from localchat import paths
 from localchat.cpu import activations
-from localchat.engine import Engine
-from localchat.session import Session
+from localchat.model.engine import Engine
+from localchat.session.session import Session
 
 
 @pytest.fixture

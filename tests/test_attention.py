@@ -318,7 +318,7 @@ def test_resumed_cache_equals_full_prefill_on_this_path(ours, engine, tmp_path):
 def windowed_engine(tmp_path_factory):
     from tiny import build_tiny_model
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     path = build_tiny_model(tmp_path_factory.mktemp("tiny-sw") / "tiny-sw", layers=2,
                             sliding_window=8)

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from localchat.cpu import backend, runtime
-from localchat.engine import Engine
+from localchat.model.engine import Engine
 
 
 @pytest.mark.cpu_only
@@ -118,7 +118,7 @@ def test_no_fast_blas_says_so_once_and_still_answers(tiny_model, tmp_path):
     assert "using " in lines[0] and "slow CPU path" not in out.stderr
     # And no other candidate either (none on this machine's paths): MLX's reference BLAS.
     only = ("import sys; from localchat.cpu import backend; backend.candidates = lambda: []; "
-            "from localchat.cli import main; sys.exit(main(sys.argv[1:]))")
+            "from localchat.cli.main import main; sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", only, *ask], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -222,7 +222,7 @@ def test_preload_starts_the_read_that_the_load_takes_over(home, quantized_model,
     weights; the load of that model takes that read over instead of starting another
     (control: a load with no preload starts one). A preload for a model that is then not
     loaded is dropped, and a name that is not here yet starts nothing."""
-    from localchat.loading import preload
+    from localchat.model.preload import preload
 
     x = mx.array([[5, 17, 42, 99, 7]])
     expected = Engine.load(str(quantized_model)).model(x)  # makes the CPU weights
@@ -301,8 +301,8 @@ def test_other_backends_store_half_precision_kv_as_computed(home, tmp_path, dtyp
     from twins import full_prefill, run_turn
 
     from localchat import paths
-    from localchat.session import Session
-    from localchat.store import Store
+    from localchat.session.session import Session
+    from localchat.store.database import Store
 
     monkeypatch.setenv("LOCALCHAT_CPU_PATH", "off")
     folder = build_tiny_model(tmp_path / f"tiny-{dtype}", dtype=dtype)

@@ -3,7 +3,7 @@
 
 import json
 
-from localchat.cli import main
+from localchat.cli.main import main
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence. " * 6).strip()
 
@@ -51,7 +51,7 @@ def test_shared_prefix_is_prefilled_once_and_replies_match(home, tiny_model, tmp
                     [{"id": i, "system": SYSTEM, "prompt": q} for i, q in enumerate(questions)])
     code, rows, _ = batch(capsys, tiny_model, str(f))
     assert code == 0
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(str(tiny_model))
     shared = len(engine.render([{"role": "system", "content": SYSTEM}])) - 5
@@ -126,7 +126,7 @@ def test_parallel_decoding_keeps_order_errors_and_prefix_reuse(home, tiny_model,
     code, seq, _ = batch(capsys, tiny_model, str(f))
     ok = [i for i, r in enumerate(seq) if "reply" in r]
     assert ok == [i for i, r in enumerate(par) if "reply" in r]
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     shared = len(Engine.load(str(tiny_model)).render(
         [{"role": "system", "content": SYSTEM}])) - 5

@@ -20,12 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localchat import cli
-from localchat.batchlines import BOM, KEYS, ROLES, BatchResult, Job, done_ids, parse_lines
+from localchat.cli import main as cli
+from localchat.cli.batchlines import BOM, KEYS, ROLES, BatchResult, Job, done_ids, parse_lines
 from localchat.errors import ContextFull, ConversationNotFound
 from localchat.events import TurnFinished, Usage
 
-# -- what the batch should do, written out independently of batch.py -------------------------
+# -- what the batch should do, written out independently of cli/batch.py -------------------------
 
 
 def blank(raw: bytes) -> bool:
@@ -246,7 +246,7 @@ def run_cli(args: list[str], parallel: int = 1) -> tuple[int, str]:
     with pytest.MonkeyPatch.context() as mp, tempfile.TemporaryDirectory() as home:
         mp.setenv("LOCALCHAT_HOME", home)
         mp.setattr(cli, "session_for", lambda model, args=None: StubSession(parallel > 1))
-        mp.setattr("localchat.parallel.complete_group", stub_group)
+        mp.setattr("localchat.cli.parallel.complete_group", stub_group)
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
             code = cli.main(["batch", "--quiet", "--parallel", str(parallel), *args])

@@ -23,9 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from localchat import crashlog, paths
-from localchat.cli import main
+from localchat.cli.main import main
 from localchat.fmt import visible
-from localchat.store import Store
+from localchat.store.database import Store
 from localchat.tui.app import LocalchatApp
 from localchat.tui.chatview import AssistantMessage, UserMessage
 from localchat.tui.composer import Composer
@@ -157,7 +157,7 @@ def test_generated_text_is_shown_literally_typed_and_restarted(home, engine, tex
 async def test_the_app_follows_other_processes(home, engine):
     """Deleted, renamed, extended from another process: the app shows it within a poll,
     and no turn is written into a deleted conversation."""
-    from localchat.conversations import Conversations
+    from localchat.session.conversations import Conversations
 
     app = app_for(engine, ["first", "second"])
     async with app.run_test(size=(120, 40)) as pilot:
@@ -205,7 +205,7 @@ def test_a_turn_never_writes_into_a_deleted_conversation(session, store, engine)
 
 
 def test_an_unexpected_error_in_the_cli_is_one_line_and_a_log(home, capsys, monkeypatch):
-    import localchat.cli as cli
+    import localchat.cli.main as cli
 
     def broken(args):
         """A command with a bug."""
@@ -232,7 +232,7 @@ from localchat.tui.app import LocalchatApp
 def broken(self):
     raise RuntimeError("a bug in the help key")
 LocalchatApp.action_help = broken
-from localchat.cli import main
+from localchat.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -417,7 +417,7 @@ def test_ask_prints_a_reply_literally_on_a_terminal_and_as_it_is_when_piped(piec
     pictures, never obeyed; piped, the bytes are the reply's own. Its thinking the same."""
     import io
 
-    from localchat.cli import _print_turn
+    from localchat.cli.main import _print_turn
     from localchat.events import ReasoningChunk, ReplyChunk, TurnFinished
 
     class Out(io.StringIO):

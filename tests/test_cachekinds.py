@@ -19,10 +19,10 @@ from families import FAMILIES, build_family
 from twins import full_prefill
 
 from localchat import paths
-from localchat.engine import Engine
 from localchat.events import Notice, TurnFinished
 from localchat.kvcache.folder import KEEP_CHECKPOINTS
-from localchat.session import Session, TurnOptions
+from localchat.model.engine import Engine
+from localchat.session.session import Session, TurnOptions
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",
            "What is the capital of France?", "And Korea? 안녕하세요",

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from localchat.cli import main
+from localchat.cli.main import main
 
 
 def ask(capsys, model, *args):
@@ -143,8 +143,8 @@ def test_store_migrates_a_blank_database_and_two_openers_take_turns(tmp_path):
     import sqlite3
     import threading
 
-    from localchat.migrations import MIGRATIONS
-    from localchat.store import Store
+    from localchat.store.database import Store
+    from localchat.store.migrations import MIGRATIONS
 
     for round_ in range(60):
         path = tmp_path / f"new-{round_}.db"
@@ -200,7 +200,7 @@ def _exiting(tmp_path, body: str):
     import sys
 
     code = ("import atexit, sys, threading, time; from pathlib import Path; "
-            "from localchat.cli import exit_now; here = Path(sys.argv[1]); "
+            "from localchat.cli.main import exit_now; here = Path(sys.argv[1]); "
             f"{body}; exit_now(3)")
     return subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
                           text=True, timeout=60)

@@ -3,7 +3,7 @@ after: for every tiny family, where a real prefill of that length leaves each le
 
 import pytest
 
-from localchat import prefillmodel
+from localchat.cacheview import prefillmodel
 
 
 def test_a_deep_cache_is_one_a_real_model_prefills_after(tmp_path, family_engine):
@@ -63,7 +63,7 @@ def family_engine(request, tmp_path):
 
     from families import build_family
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     folder = build_family(request.param, tmp_path / request.param)
     config = _json.loads((folder / "config.json").read_text())
@@ -78,8 +78,8 @@ def test_each_family_says_how_far_its_layers_look_back(family_engine):
     hybrids) or none attends (Mamba 2). The cost model's pieces are the engine's."""
     from families import WINDOW
 
-    from localchat import engine as engine_module
-    from localchat import prefillfit
+    from localchat.cacheview import prefillfit
+    from localchat.model import engine as engine_module
 
     name, engine = family_engine
     windowed = {"baichuan_m1": ((0, 1 / 2), (WINDOW, 1 / 2)),

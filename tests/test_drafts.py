@@ -11,9 +11,9 @@ from tiny import CORPUS
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.drafts import stable_chars, stable_tokens
-from localchat.engine import Engine
-from localchat.session import Cancel, Session
+from localchat.model.engine import Engine
+from localchat.session.drafts import stable_chars, stable_tokens
+from localchat.session.session import Cancel, Session
 
 LONG = " ".join(CORPUS[:6]) + " The museum opens at nine and the guided tour starts at ten."
 

@@ -19,10 +19,10 @@ from fakes import ScriptedEngine
 from tiny import build_tiny_model
 
 from localchat import paths
-from localchat.endtokens import end_tokens
-from localchat.engine import Engine
 from localchat.events import ReplyChunk, TurnFinished
-from localchat.session import Session, TurnOptions
+from localchat.model.endtokens import end_tokens
+from localchat.model.engine import Engine
+from localchat.session.session import Session, TurnOptions
 
 OTHER_ENDS = ("<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|return|>", "<|end|>", "</s>")
 TAIL = " Gabon is a nation in Central Africa"  # what a model writes after its end token
@@ -98,7 +98,7 @@ def test_gpt_oss_framing_is_not_an_end():
     ids = {n: tok.token_to_id(n) for n in names}
     wrapper = SimpleNamespace(eos_token_ids={ids["<|return|>"]},
                               _tokenizer=SimpleNamespace(backend_tokenizer=tok))
-    from localchat.replies import HARMONY
+    from localchat.model.replies import HARMONY
 
     got = end_tokens(wrapper, None, HARMONY)
     assert got.ends == {ids["<|return|>"], ids["<|call|>"]}
@@ -198,7 +198,7 @@ def test_a_reply_stuck_in_a_loop_is_cut_with_a_notice_and_the_next_turn_appends(
     import re
 
     from localchat.events import Notice
-    from localchat.generation import LOOP_LEAST, LOOP_PERIOD, LOOP_REPEATS, loop_span
+    from localchat.session.generation import LOOP_LEAST, LOOP_PERIOD, LOOP_REPEATS, loop_span
 
     after = "Seoul, la France, le Canada, la France, le Canada."  # repeats, but no loop
     # Repeats a reply means, under the loop's size: four copies of a short stretch in fewer

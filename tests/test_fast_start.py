@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from localchat.cli import main
+from localchat.cli.main import main
 
 ROOT = Path(__file__).parent.parent
 
@@ -79,7 +79,7 @@ def test_an_edited_check_entry_is_no_check(home, tiny_model, tmp_path):
     import shutil
 
     from localchat import paths
-    from localchat.tokenizer import SLOW, load_tokenizer, plan
+    from localchat.model.tokenizer import SLOW, load_tokenizer, plan
 
     folder = tmp_path / "own-class"
     shutil.copytree(tiny_model, folder)
@@ -99,7 +99,8 @@ def test_a_damaged_code_cache_is_compiled_again(home):
     import hashlib
     import importlib.util
 
-    from localchat import mlxlm, paths
+    from localchat import paths
+    from localchat.model import mlxlm
 
     mlxlm.install_root()
     source = Path(importlib.util.find_spec("mlx_lm").submodule_search_locations[0]) / "utils.py"
@@ -123,7 +124,7 @@ def test_the_template_compiled_early_is_the_one_a_render_takes(tiny_model, tmp_p
 
     from jinja2 import TemplateError
 
-    from localchat.tokenizer import load_tokenizer, template
+    from localchat.model.tokenizer import load_tokenizer, template
 
     tok, _ = load_tokenizer(tiny_model)
     template.compiled.cache_clear()

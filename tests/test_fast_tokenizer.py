@@ -1,4 +1,4 @@
-"""The fast tokenizer path (``localchat/tokenizer/``) equals transformers, for the families
+"""The fast tokenizer path (``localchat/model/tokenizer/``) equals transformers, for the families
 people run (``tests/published.py``): the Rust tokenizer it builds, token ids, decoded text,
 rendered prompts (system prompts, tools, tool results, reasoning on and off, multi-turn, and
 generated text: Korean, emoji, control characters, markup), the reasoning markers and tool
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localchat.tokenizer import (
+from localchat.model.tokenizer import (
     FAST,
     SLOW,
     detokenizer_for,
@@ -25,8 +25,8 @@ from localchat.tokenizer import (
     same_as,
     wrap,
 )
-from localchat.tokenizer.fast import FastTokenizer, read_settings
-from localchat.tokenizer.stream import StreamDetokenizer
+from localchat.model.tokenizer.fast import FastTokenizer, read_settings
+from localchat.model.tokenizer.stream import StreamDetokenizer
 
 FAMILIES = sorted(published.FAMILIES)
 TEXT = st.lists(st.one_of(
@@ -164,7 +164,7 @@ def test_negative_control_a_different_environment_renders_differently():
     published templates render other text: the equality above can fail."""
     import jinja2.sandbox
 
-    from localchat.tokenizer import template as chat
+    from localchat.model.tokenizer import template as chat
 
     fast, hf = pair("qwen3")
     messages = CONVERSATIONS["tool call and result"]
@@ -233,7 +233,7 @@ def test_a_folder_with_only_a_sentencepiece_model_takes_transformers(tmp_path):
 def test_the_replaced_class_list_is_transformers_own():
     from transformers.models.auto.tokenization_auto import MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
 
-    from localchat.tokenizer.fast import REPLACED_CLASS_TYPES
+    from localchat.model.tokenizer.fast import REPLACED_CLASS_TYPES
 
     assert REPLACED_CLASS_TYPES == set(MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS)
 

@@ -9,9 +9,9 @@ from test_tui import settle, status_text, type_and_send
 from textual.app import App, ComposeResult
 from textual.geometry import Region
 
-from localchat.cachereport import CacheReport, LayerKind, TurnView
+from localchat.cacheview.prefillfit import PrefillModel
+from localchat.cacheview.report import CacheReport, LayerKind, TurnView
 from localchat.events import Usage
-from localchat.prefillfit import PrefillModel
 from localchat.tui.cachescreen import CacheScreen, turn_bars
 from localchat.tui.composer import Composer
 from localchat.tui.statusbar import Part, StatusBar, fit, usage_parts
@@ -196,7 +196,7 @@ async def test_a_quit_while_the_view_calibrates_stops_the_calibration(make_app, 
     (0.2 s) so the quit lands in the middle; the runs are counted, not timed."""
     import time
 
-    from localchat import prefillmodel
+    from localchat.cacheview import prefillmodel
 
     app, _ = make_app(["Paris."])
     open_at_run = []  # per calibration run: whether the app was still open when it began

@@ -9,11 +9,11 @@ import pytest
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.conversations import Conversations
 from localchat.kvcache import budget
 from localchat.kvcache.folder import CacheFolder
 from localchat.kvcache.index import BLOCK, FILE, index_of
-from localchat.session import Session
+from localchat.session.conversations import Conversations
+from localchat.session.session import Session
 
 SYSTEM = ("You are a careful travel planner for Korea. " * 12).strip()
 

@@ -10,11 +10,11 @@ from tiny import build_tiny_model
 from twins import run_turn
 
 from localchat import paths
-from localchat.engine import Engine
 from localchat.errors import BadInput
 from localchat.kvcache import quality as kvquality
 from localchat.kvcache.folder import CacheFolder
-from localchat.session import Session
+from localchat.model.engine import Engine
+from localchat.session.session import Session
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",
            "What is the capital of France?", "And Korea? 안녕하세요",

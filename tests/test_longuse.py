@@ -10,9 +10,9 @@ import sqlite3
 from fakes import ScriptedEngine
 
 from localchat import paths
-from localchat.cli import main
-from localchat.migrations import MIGRATIONS, migrate, statements
-from localchat.store import Store
+from localchat.cli.main import main
+from localchat.store.database import Store
+from localchat.store.migrations import MIGRATIONS, migrate, statements
 from localchat.tui.app import LocalchatApp
 from localchat.tui.chatview import FIRST, MORE, ChatView, EarlierMessages, UserMessage
 from localchat.tui.sidebar import PAGE, ConversationItem, MoreItem, Sidebar
@@ -255,8 +255,8 @@ async def test_the_cache_view_of_a_hybrid_model_agrees_with_the_manifest(home, t
     ``inspect -c``'s, and the time saved comes from the measured prefill model."""
     from families import build_family
 
-    from localchat.cachereport import as_json, report
-    from localchat.engine import Engine
+    from localchat.cacheview.report import as_json, report
+    from localchat.model.engine import Engine
     from localchat.tui.cachescreen import CacheScreen, strip
 
     folder = build_family("qwen3_next", tmp_path / "hybrid")

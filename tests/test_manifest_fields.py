@@ -34,11 +34,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twins import run_turn
 
-from localchat.engine import Engine
 from localchat.kvcache.folder import CacheFolder, CacheInvalid
 from localchat.kvcache.format import MANIFEST, canonical, file_sum, seal
-from localchat.session import Session
-from localchat.store import Store
+from localchat.model.engine import Engine
+from localchat.session.session import Session
+from localchat.store.database import Store
 
 HISTORY = ["Hello there, how are you today? Tell me about Seoul.",
            "What is the capital of France?", "And Korea? 안녕하세요"]

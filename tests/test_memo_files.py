@@ -4,7 +4,7 @@ digest or a traceback, and the file is rebuilt.
 - ``kv-quality.json`` (``kvcache/quality.py``): a setting that fails the quality gate keeps failing
   whatever the remembered measurement is changed to; the measurement runs again and the entry
   is written back as it was.
-- ``digests.json`` (``models.py``): the model digest is the one a fresh hash gives; a
+- ``digests.json`` (``model/resolve.py``): the model digest is the one a fresh hash gives; a
   weights file replaced by another of the same size and modification time is hashed again.
 - ``cpu-weights/*.check.json`` (``cpu/derived.py``): any change refuses the derived file with one
   line; through ``Engine.load`` it is rebuilt with the "CPU weights rebuilt" notice.
@@ -22,12 +22,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny import build_tiny_model
 
-from localchat import models, paths
+from localchat import paths
 from localchat.cpu import derived
-from localchat.engine import Engine
 from localchat.errors import BadInput
 from localchat.kvcache import quality as kvquality
 from localchat.kvcache.kinds import KVQuant
+from localchat.model import resolve as models
+from localchat.model.engine import Engine
 
 _GONE = object()
 

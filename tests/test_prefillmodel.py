@@ -1,5 +1,5 @@
-"""The prefill model (``prefillmodel.py``): what a full prefill costs on this machine, fitted
-from turns or a calibration, robust to a busy machine and to a damaged calibration file."""
+"""The prefill model (``cacheview/prefillmodel.py``): what a full prefill costs on this machine,
+fitted from turns or a calibration, robust to a busy machine and to a damaged calibration file."""
 
 import json
 import math
@@ -8,9 +8,9 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from localchat import prefillmodel
-from localchat.prefillfit import PrefillModel, Sample, attended, fit
-from localchat.prefillmodel import from_turns
+from localchat.cacheview import prefillmodel
+from localchat.cacheview.prefillfit import PrefillModel, Sample, attended, fit
+from localchat.cacheview.prefillmodel import from_turns
 
 TRUE = PrefillModel(0.8, 0.002, 2e-7, "truth", 0)  # 0.8 s fixed overhead: a busy app's turn
 
@@ -335,7 +335,7 @@ def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home,
     fastest of their runs, interleaved (a busy machine only ever adds time, and then to both
     alike). Before the deep run the attention term was fitted 0 and this ratio was ~0.8
     (0.74-0.88 at 1,280 tokens)."""
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(None)
     ids = engine.encode(" ".join(f"Item {i} of the list is ready." for i in range(240)))[:1600]
@@ -357,7 +357,7 @@ def test_on_the_default_model_a_long_prompt_is_estimated_within_25_percent(home,
 def test_the_calibration_measures_both_sides_of_the_one_pass_step():
     """A prompt of up to ONE_PASS tokens runs the model once, one longer twice: both lengths
     are measured, so the step is not smeared over the lengths after it."""
-    from localchat.engine import ONE_PASS
+    from localchat.model.engine import ONE_PASS
 
     assert {ONE_PASS, ONE_PASS + 1} <= set(prefillmodel.CALIBRATION)
 

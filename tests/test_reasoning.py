@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from localchat import paths
-from localchat.engine import Engine
 from localchat.events import Notice, TurnFinished
-from localchat.migrations import MIGRATIONS, statements
-from localchat.replies import HARMONY, ReasoningStream, split_reasoning
-from localchat.session import Session, TurnOptions
-from localchat.store import Store
+from localchat.model.engine import Engine
+from localchat.model.replies import HARMONY, ReasoningStream, split_reasoning
+from localchat.session.session import Session, TurnOptions
+from localchat.store.database import Store
+from localchat.store.migrations import MIGRATIONS, statements
 
 PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",
            "What is the capital of France?", "And Korea? 안녕하세요",
@@ -233,7 +233,7 @@ def test_split_reasoning_of_plain_and_cut_replies():
 
 def test_ask_batch_show_and_export_keep_the_reasoning_apart(
         home, built, forced, capsys, tmp_path):
-    from localchat.cli import main
+    from localchat.cli.main import main
 
     engine = built("llama")
     folder = str(engine.ref.path)

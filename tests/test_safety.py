@@ -19,7 +19,7 @@ from twins import full_prefill, run_turn
 from localchat import paths
 from localchat.kvcache.folder import MANIFEST
 from localchat.locks import ConversationLock
-from localchat.session import Session
+from localchat.session.session import Session
 
 HELPER = str(Path(__file__).parent / "crash_helper.py")
 

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from localchat.engine import Engine
-from localchat.sampling import LOCALCHAT, MODEL, OURS, REPLY_CAP, model_defaults
+from localchat.model.defaults import LOCALCHAT, MODEL, OURS, REPLY_CAP, model_defaults
+from localchat.model.engine import Engine
 
 ADVICE = {"temperature": 1.5, "top_p": 0.8, "top_k": 50, "min_p": 0.05,
           "repetition_penalty": 1.1, "max_new_tokens": 6, "eos_token_id": 2}
@@ -132,7 +132,7 @@ def test_serve_fills_what_a_request_omits_from_the_model(server, kinds, tmp_path
 # -- the embedded default model's advice (its model card's; the GGUF has none) --------------
 
 def test_the_default_models_advice_is_written_once_and_named_by_its_source(tiny_model, tmp_path):
-    from localchat import gguf
+    from localchat.model import gguf
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
@@ -150,7 +150,7 @@ def test_the_default_models_advice_is_written_once_and_named_by_its_source(tiny_
 
 def test_a_file_the_user_wrote_stands_and_an_older_advice_is_replaced(tiny_model, tmp_path,
                                                                      monkeypatch):
-    from localchat import gguf
+    from localchat.model import gguf
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
@@ -168,8 +168,8 @@ def test_a_file_the_user_wrote_stands_and_an_older_advice_is_replaced(tiny_model
 
 
 def test_the_advice_leaves_the_model_digest_as_it_was(tiny_model, tmp_path):
-    from localchat import gguf
-    from localchat.models import model_digest
+    from localchat.model import gguf
+    from localchat.model.resolve import model_digest
 
     folder = tmp_path / "m"
     shutil.copytree(tiny_model, folder)
@@ -182,7 +182,7 @@ def test_the_advice_leaves_the_model_digest_as_it_was(tiny_model, tmp_path):
 
 
 def default_turn(prompt: str, name: str = "c"):
-    from localchat.session import TurnFinished, TurnOptions, open_session
+    from localchat.session.session import TurnFinished, TurnOptions, open_session
 
     session = open_session(None)
     try:
@@ -201,7 +201,7 @@ def test_a_default_folder_converted_before_gets_the_advice_and_keeps_its_caches(
     """The upgrade path: the default model's folder was converted by a localchat without the
     advice and holds a conversation's cache; the next start writes the advice, samples with
     it, and the conversation's next turn still appends to its cache."""
-    from localchat import gguf
+    from localchat.model import gguf
 
     folder = home / "models" / gguf.DEFAULT_DIR_NAME
     shutil.copytree(tiny_model, folder)
@@ -226,7 +226,7 @@ def test_inspect_names_the_default_models_advice(tiny_model, home):
     import subprocess
     import sys
 
-    from localchat import gguf
+    from localchat.model import gguf
 
     shutil.copytree(tiny_model, home / "models" / gguf.DEFAULT_DIR_NAME)
     out = subprocess.run([sys.executable, "-m", "localchat", "inspect", "--json"],
@@ -259,8 +259,9 @@ def test_any_generation_config_is_judged_without_an_exception(tmp_path, mark, ex
     type under our key, beside other fields, or bytes that are not JSON. Writing the advice
     answers a bool (and writes only over our own older version); the digest's check answers a
     bool; a file the advice replaced is then ours, current, and left out of the digest."""
-    from localchat import gguf, models
-    from localchat.sampling import WRITTEN
+    from localchat.model import gguf
+    from localchat.model import resolve as models
+    from localchat.model.defaults import WRITTEN
 
     path = tmp_path / "generation_config.json"
     if raw is not None:
@@ -306,7 +307,7 @@ def test_top_p_is_mlx_lms_to_the_bit(a, p):
     import mlx.core as mx
     from mlx_lm.sample_utils import apply_top_p
 
-    from localchat.sampler import _host_sort, top_p_filter
+    from localchat.model.sampler import _host_sort, top_p_filter
 
     assert _host_sort()  # (the NumPy path is the one under test)
     x = mx.array(a)
@@ -317,7 +318,7 @@ def test_top_p_is_mlx_lms_to_the_bit(a, p):
 def test_top_p_control_tells_a_different_p_apart():
     import mlx.core as mx
 
-    from localchat.sampler import top_p_filter
+    from localchat.model.sampler import top_p_filter
 
     x = mx.array(np.random.default_rng(1).normal(0, 2, (1, 4000)).astype(np.float32))
     assert not np.array_equal(np.array(top_p_filter(x, 0.5)), np.array(top_p_filter(x, 0.9)))
@@ -328,7 +329,7 @@ def test_a_seeded_sampled_draw_is_mlx_lms_draw():
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
 
-    from localchat.sampler import Sampler
+    from localchat.model.sampler import Sampler
 
     logits = mx.array(np.random.default_rng(2).normal(0, 3, (1, 49152)).astype(np.float32))
     got, want = [], []

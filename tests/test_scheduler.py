@@ -9,7 +9,7 @@ import pytest
 
 from localchat.errors import BadInput
 from localchat.events import Notice, PrefillProgress, ReplyChunk
-from localchat.scheduler import Scheduler, Work, batch_memory
+from localchat.session.scheduler import Scheduler, Work, batch_memory
 
 
 class Stub:
@@ -108,7 +108,7 @@ ALONE = ["deepseek_v3", "llama4", "deepseek_v32"]
 def family(tmp_path_factory):
     from families import build_family
 
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     root = tmp_path_factory.mktemp("stepped")
     made = {}
@@ -134,9 +134,9 @@ def test_a_batched_step_gives_each_row_its_own_logits(family, name):
     row's logits are its lone steps' (to batched rounding), and its cache the lone cache."""
     import mlx.core as mx
 
-    from localchat.batchstep import batch_refusal, run_steps
     from localchat.events import Step
     from localchat.kvcache import kinds as ck
+    from localchat.session.batchstep import batch_refusal, run_steps
 
     engine = family(name)
     assert batch_refusal(engine) == ""
@@ -170,9 +170,9 @@ def test_a_prompt_chunk_beside_decode_steps_gives_each_its_lone_result(family, n
     are not those of its last token fed without the rest of the chunk, nor another row's."""
     import mlx.core as mx
 
-    from localchat.batchstep import fusion_refusal, run_steps
     from localchat.events import Step
     from localchat.kvcache import kinds as ck
+    from localchat.session.batchstep import fusion_refusal, run_steps
 
     engine = family(name)
     assert fusion_refusal(engine) == ""
@@ -205,14 +205,14 @@ def test_a_prompt_chunk_beside_decode_steps_gives_each_its_lone_result(family, n
 
 @pytest.mark.parametrize("name", UNFUSED)
 def test_a_recurrent_model_runs_its_prompt_chunks_as_passes_of_their_own(family, name):
-    from localchat.batchstep import fusion_refusal
+    from localchat.session.batchstep import fusion_refusal
 
     assert fusion_refusal(family(name)).startswith("a fused step failed")
 
 
 @pytest.mark.parametrize("name", ALONE)
 def test_a_model_whose_batched_step_fails_runs_alone(family, name):
-    from localchat.batchstep import batch_refusal
+    from localchat.session.batchstep import batch_refusal
 
     assert batch_refusal(family(name)).startswith("a batched step")
 
@@ -246,7 +246,7 @@ def test_a_long_prompt_is_prefilled_between_the_running_streams_steps(session, u
     every turn ends with the reply it gives alone — with each chunk in the decode steps'
     model call, and with each chunk as a pass of its own (a model that cannot fuse them)."""
     from localchat.events import TurnFinished
-    from localchat.session import TurnOptions
+    from localchat.session.session import TurnOptions
 
     prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 100]
     convs = [session.conversation(f"c{i}-{bool(unfused)}") for i in range(4)]
@@ -279,10 +279,10 @@ def test_a_long_prompt_takes_chunks_the_size_of_a_share_of_a_decode_step(session
     """While other turns decode, a long prompt's chunks are sized by ``Pace``: with a tiny
     share of a step they are the smallest chunk; with a huge one (the control) the whole
     ``Engine.prefill`` chunk — the same prompt in a few chunks."""
-    from localchat.engine import PREFILL_CHUNK
     from localchat.events import TurnFinished
-    from localchat.scheduler import MIN_CHUNK
-    from localchat.session import TurnOptions
+    from localchat.model.engine import PREFILL_CHUNK
+    from localchat.session.scheduler import MIN_CHUNK
+    from localchat.session.session import TurnOptions
 
     prompts = [f"Question {i}: tell me about Seoul." for i in range(3)] + ["Seoul is big. " * 80]
     convs = [session.conversation(f"pace{share}-{i}") for i in range(4)]
@@ -312,8 +312,8 @@ def test_a_long_prompt_takes_chunks_the_size_of_a_share_of_a_decode_step(session
 
 
 def test_pace_sizes_a_chunk_to_a_share_of_a_decode_round():
-    from localchat.engine import PREFILL_CHUNK
-    from localchat.scheduler import MIN_CHUNK, Pace
+    from localchat.model.engine import PREFILL_CHUNK
+    from localchat.session.scheduler import MIN_CHUNK, Pace
 
     p = Pace()
     assert p.chunk() == PREFILL_CHUNK  # no one waits to decode: the whole chunk
@@ -336,7 +336,7 @@ def test_the_batching_trials_run_once_per_engine(monkeypatch):
     """Each ``batch --parallel`` group makes a scheduler of its own: the trials (model calls,
     ~1 s on the default model) are not run again for the same engine; another engine gets its
     own verdict."""
-    from localchat import batchstep
+    from localchat.session import batchstep
 
     calls = []
 
@@ -361,10 +361,10 @@ def test_turns_admitted_together_prefill_in_one_model_call(session, unfused, mon
     """Four turns admitted while none decodes: the first model call holds all four prompts
     (the weights read once for them), and each reply is the one it gives alone. Control: a
     model whose chunks cannot share a call takes one prompt a round."""
-    import localchat.scheduler as scheduler
+    import localchat.session.scheduler as scheduler
     from localchat.events import TurnFinished
-    from localchat.scheduler import is_chunk
-    from localchat.session import TurnOptions
+    from localchat.session.scheduler import is_chunk
+    from localchat.session.session import TurnOptions
 
     calls: list[list] = []
     real = scheduler.run_steps

@@ -247,7 +247,7 @@ def test_cluster_script_model_splits_both_ways(home: Path, tmp_path: Path):
     import importlib.util
 
     from localchat.cluster.split import check_shard
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     spec = importlib.util.spec_from_file_location("bench_cluster", SCRIPTS / "bench_cluster.py")
     bench = importlib.util.module_from_spec(spec)
@@ -268,7 +268,7 @@ def test_sampling_uncut_says_where_the_loop_check_would_cut(bench_model: Path, t
     size is not."""
     import importlib.util
 
-    from localchat.generation import LOOP_LEAST, looping
+    from localchat.session.generation import LOOP_LEAST, looping
 
     spec = importlib.util.spec_from_file_location("bench_sampling",
                                                   SCRIPTS / "bench_sampling.py")

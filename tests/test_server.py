@@ -29,8 +29,8 @@ from tiny import build_tiny_model
 from twins import full_prefill
 
 from localchat import paths
-from localchat.engine import Engine
-from localchat.store import Store
+from localchat.model.engine import Engine
+from localchat.store.database import Store
 
 FIRST = "Tell me about Seoul and its old palaces, please."
 SECOND = "And what about Busan?"

@@ -30,8 +30,8 @@ from serving import (
 from twins import full_prefill
 
 from localchat import paths
-from localchat.engine import Engine
-from localchat.store import Store
+from localchat.model.engine import Engine
+from localchat.store.database import Store
 
 FAMILIES = ["llama", "gemma3_text", "deepseek_v3", "qwen3_next"]
 # Decoded together (qwen3_next's recurrent state too); deepseek_v3 (MLA works on its keys

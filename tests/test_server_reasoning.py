@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from localchat.server import anthropic_api, openai_api
 from localchat.server.chat import ApiError
-from localchat.store import Store
+from localchat.store.database import Store
 
 THOUGHT = "<think>\nI consider it.\n</think>\n\n"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]

@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import Server, post
 
-from localchat.generation import Streamed
 from localchat.server import anthropic_api, openai_api
 from localchat.server.chat import ApiError
+from localchat.session.generation import Streamed
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70)

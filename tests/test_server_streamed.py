@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from localchat.server.app import Service, make_app
 from localchat.server.worker import Worker
-from localchat.session import Session
+from localchat.session.session import Session
 
 SLOW_OK = settings(max_examples=25, deadline=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -27,7 +27,7 @@ def clients(engine, tmp_path_factory):
     import openai
     from starlette.testclient import TestClient
 
-    from localchat.store import Store
+    from localchat.store.database import Store
 
     home = tmp_path_factory.mktemp("streamed")
     store = Store.open(home / "localchat.db")

@@ -10,7 +10,7 @@ import pytest
 from serving import post
 from tiny import build_tiny_model
 
-from localchat.store import Store
+from localchat.store.database import Store
 
 TOOLS_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>"

@@ -6,7 +6,7 @@ from twins import full_prefill, run_turn
 
 from localchat import paths
 from localchat.kvcache.folder import common_prefix
-from localchat.session import Session, TurnOptions
+from localchat.session.session import Session, TurnOptions
 
 
 def run(session, conv, prompt, **kw):
@@ -196,7 +196,7 @@ def test_negative_controls_the_equivalence_tests_can_fail(store, engine, session
 
 def test_a_cancel_set_before_the_turn_starts_stops_it(store, engine, session):
     from localchat.events import TurnFinished
-    from localchat.session import Cancel
+    from localchat.session.session import Cancel
 
     conv = store.create("early-stop", engine.ref.name)
     cancel = Cancel()

@@ -6,9 +6,9 @@ import os
 from twins import full_prefill, run_turn
 
 from localchat import paths
-from localchat.cli import main
+from localchat.cli.main import main
 from localchat.kvcache import budget
-from localchat.session import Session
+from localchat.session.session import Session
 
 SYSTEM = ("You are a careful travel assistant for trips in Korea. " * 16).strip()
 

@@ -1,4 +1,4 @@
-"""Prompt-lookup decoding (``localchat/speculative.py``) against plain decoding.
+"""Prompt-lookup decoding (``localchat/session/speculative.py``) against plain decoding.
 
 Tiny random models copy little, so besides the real n-gram lookup the equality tests also run
 with an oracle drafter (``Oracle``: the plain run's own next tokens, every third draft with one
@@ -8,13 +8,14 @@ token changed) that makes long drafts get accepted, cut and rewound on every cac
 import pytest
 from families import FAMILIES, build_family
 
-from localchat import paths, speculative
-from localchat.engine import Engine
-from localchat.generation import Cancel, Run, TurnOptions, generate
+from localchat import paths
 from localchat.kvcache import kinds as ck
-from localchat.sampler import Sampler
-from localchat.session import Session
-from localchat.turncache import Start
+from localchat.model.engine import Engine
+from localchat.model.sampler import Sampler
+from localchat.session import speculative
+from localchat.session.generation import Cancel, Run, TurnOptions, generate
+from localchat.session.session import Session
+from localchat.session.turncache import Start
 
 COPY = ("def main():\n    print('hello world')\n    return 0\n" * 3
         + "Numbers 0 1 2 3 4 5 6 7 8 9 and lists: - one - two - three - one - two - three")
@@ -418,9 +419,9 @@ def test_greedy_turns_under_the_scheduler_verify_drafts_together_and_give_the_pl
     each draft, their verify passes run as rows of the same model call as the other turn's
     step, and each gives the plain reply; the control gate (never drafting) decodes plain
     batched steps — no drafts, the same replies."""
-    from localchat import scheduler as sch
     from localchat.events import TurnFinished
-    from localchat.scheduler import Scheduler, Work
+    from localchat.session import scheduler as sch
+    from localchat.session.scheduler import Scheduler, Work
 
     engine = built(family)
     session = Session(store, engine, paths.kv_root(), paths.locks_dir())

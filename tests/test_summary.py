@@ -1,7 +1,7 @@
 """Context overflow ``summarize``: at a cut the model writes a summary of what leaves the
 window, kept with the conversation and rendered in the system prompt until the next cut, so
 later turns append; every turn equals a full prefill of the same window and summary — for a
-growing, a sliding-window and a hybrid model with a 512-token context (``summary.py``)."""
+growing, a sliding-window and a hybrid model with a 512-token context (``session/summary.py``)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 from windowed import CONTEXT, PROMPTS, REPLY, turn
 
 from localchat import paths
-from localchat.session import Session, TurnOptions
+from localchat.session.session import Session, TurnOptions
 
 
 def seen(engine, store, name: str) -> list[int]:
     """What the next turn of ``name`` renders before its new message: the system prompt
     (with the summary in force), then the window."""
-    from localchat.conversations import Conversations
-    from localchat.window import summary_in_force, visible, with_summary
+    from localchat.session.conversations import Conversations
+    from localchat.session.window import summary_in_force, visible, with_summary
 
     conv = store.get(name)
     history = Conversations(store, paths.kv_root(), paths.locks_dir()).history(conv)
@@ -73,7 +73,7 @@ def test_a_summary_is_shown_replaced_and_forked(home, store, small, capsys):
     """``show`` prints the summary where the window starts; ``summary --set`` replaces it
     (the next turn renders the new one and answers as a full prefill of it); a fork keeps
     it and appends to the linked cache; switching to truncate drops it from the window."""
-    from localchat.cli import main
+    from localchat.cli.main import main
 
     engine = small("llama")
     conv = store.create("s", engine.ref.name)
@@ -120,7 +120,7 @@ def test_a_summary_is_shown_replaced_and_forked(home, store, small, capsys):
 
 
 def test_the_summary_command_refuses_in_one_line(home, store, small, capsys):
-    from localchat.cli import main
+    from localchat.cli.main import main
 
     engine = small("llama")
     store.create("plain", engine.ref.name)
@@ -139,7 +139,7 @@ def test_a_transcript_longer_than_the_context_keeps_its_end(small):
     """The summary of a window longer than the context is asked of the transcript's end (the
     messages just before the window); it never fails for length."""
     from localchat.events import PrefillProgress
-    from localchat.summary import summary_tokens, write_summary
+    from localchat.session.summary import summary_tokens, write_summary
 
     engine = small("llama")
     leaving = [{"role": "user", "content": f"Message {i}: " + "the old gates of Seoul " * 40}
@@ -163,7 +163,7 @@ def test_a_window_cut_before_summarize_gets_its_summary_at_the_next_turn(home, s
     """Cut under truncate, then switched to summarize: the next turn writes the summary of
     the messages before the window (the window does not move), the one after appends; a turn
     stopped while the summary is written leaves none, and the next turn writes it."""
-    from localchat.generation import Cancel
+    from localchat.session.generation import Cancel
 
     engine = small("llama")
     store.create("late", engine.ref.name)
@@ -201,8 +201,8 @@ def test_a_summary_read_back_from_any_row_is_a_text_or_none(tmp_path):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from localchat.store import Store
-    from localchat.window import summary_in_force, with_summary
+    from localchat.session.window import summary_in_force, with_summary
+    from localchat.store.database import Store
 
     store = Store.open(tmp_path / "db.sqlite")
     conv = store.create("c", "m")

@@ -18,9 +18,9 @@ from test_server_tools import TOOLS_TEMPLATE
 from tiny import build_tiny_model
 
 from localchat import paths
-from localchat.cli import main
-from localchat.engine import Engine
-from localchat.store import Store
+from localchat.cli.main import main
+from localchat.model.engine import Engine
+from localchat.store.database import Store
 from localchat.tools.config import load_config, parse_config
 from localchat.tools.turns import DENIED, TOO_LONG
 

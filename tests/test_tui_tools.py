@@ -26,8 +26,8 @@ from test_tools import (  # noqa: F401
 )
 from test_tui import replies, settle, type_and_send
 
-from localchat.engine import Engine
 from localchat.fmt import visible
+from localchat.model.engine import Engine
 from localchat.tools.settings import ToolSettings
 from localchat.tools.turns import DENIED, STOPPED
 from localchat.tui.app import LocalchatApp
@@ -257,7 +257,7 @@ def test_a_call_in_a_real_terminal(home, tool_model):  # noqa: F811
     nothing from the server's stderr does, and the turn is stored."""
     from ptyapp import PtyApp
 
-    from localchat.store import Store
+    from localchat.store.database import Store
 
     configure(home, {"time": time_server()})
     script = Path(__file__).parent / "scripted_serve.py"

@@ -1,5 +1,5 @@
 """A conversation that fills the context goes on: the window over the stored conversation moves
-in large steps (``window.py``), every message stays stored, the turn after a cut appends to
+in large steps (``session/window.py``), every message stays stored, the turn after a cut appends to
 an exact cache of the new window, and every turn equals a full prefill of the same window —
 for a growing, a sliding-window and a hybrid model with a 512-token context."""
 
@@ -14,9 +14,9 @@ from windowed import CONTEXT, PROMPTS, REPLY, turn
 
 from localchat import paths
 from localchat.errors import BadInput, ContextFull
-from localchat.migrations import migrate
-from localchat.session import Session
-from localchat.window import fit
+from localchat.session.session import Session
+from localchat.session.window import fit
+from localchat.store.migrations import migrate
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
@@ -138,7 +138,7 @@ def test_fit_keeps_the_system_prompt_and_cuts_before_a_user_message():
     assert got.moved and got.window_from % 3 == 0 and len(got.tokens) <= 100
     assert fit(render, 200, history, got.window_from, "truncate", 20, "m").moved is False
     with pytest.raises(BadInput):
-        from localchat.window import policy_of
+        from localchat.session.window import policy_of
         policy_of("summarise")
 
 
@@ -152,12 +152,12 @@ def test_the_policy_and_window_survive_a_blank_database_migration(tmp_path):
 
 
 def test_ask_remembers_the_policy(home, tiny_model, capsys):
-    from localchat.cli import main
+    from localchat.cli.main import main
 
     assert main(["ask", "-m", str(tiny_model), "-c", "kept", "--context-overflow", "stop",
                  "--max-tokens", "2", "Hello"]) == 0
     assert main(["ask", "-m", str(tiny_model), "-c", "kept", "--max-tokens", "2", "Hi"]) == 0
-    from localchat.store import Store
+    from localchat.store.database import Store
 
     s = Store.open(paths.database_path())
     assert s.get("kept").context_overflow == "stop"

@@ -10,7 +10,7 @@ import shutil
 
 from localchat import paths
 from localchat.events import Notice, TurnFinished
-from localchat.session import Session, TurnOptions
+from localchat.session.session import Session, TurnOptions
 
 
 def make_twin(store, conv, messages=None, manifest=None):

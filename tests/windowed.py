@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from localchat import paths
 from localchat.events import Notice, TurnFinished
-from localchat.session import Session, TurnOptions
+from localchat.session.session import Session, TurnOptions
 
 CONTEXT = 512
 REPLY = 24

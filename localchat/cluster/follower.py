@@ -89,9 +89,9 @@ def _connect(control: str, rank: int, secret: str) -> socket.socket | None:
 def _join(args):
     from .. import paths
     from ..cpu import backend
-    from ..engine import Engine
-    from ..session import Session
-    from ..store import Store
+    from ..model.engine import Engine
+    from ..session.session import Session
+    from ..store.database import Store
 
     backend.prepare()
     from .group import Ring, join_ring
@@ -108,8 +108,8 @@ _POOLS: dict = {}  # rank 0's batch prefix pools, mirrored: id(pool) on rank 0 -
 def _run(session, msg: dict) -> None:
     """Make the call rank 0 makes (see ``Session.turn`` / ``complete`` / ``delete``)."""
     from ..kvcache.prefixes import PrefixPool
-    from ..session import Cancel, TurnOptions
-    from ..store import Conversation, Message
+    from ..session.session import Cancel, TurnOptions
+    from ..store.database import Conversation, Message
 
     op = msg["op"]
     if op == "delete":

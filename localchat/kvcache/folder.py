@@ -30,7 +30,7 @@ Rules:
 - Reading checks the manifest's checksum and every field against the model's layout
   (``format.py``), then each file's size and checksum (XXH3-64; CRC-32 in version 3) and its
   arrays' names, shapes and dtypes; any mismatch raises ``CacheInvalid`` with a short reason,
-  and the caller rebuilds. Reading back is ``loading.py``'s (mapped, checked on threads).
+  and the caller rebuilds. Reading back is ``model/preload.py``'s (mapped, checked on threads).
 - Version 3 folders are read as they are (their files' CRC-32 checked); the next commit
   writes a version-4 manifest. Older versions (1: before checkpoints, 2: before the
   manifest's checksum) are not read: "cache rebuilt: cache format version 2 …", then a full

@@ -15,7 +15,7 @@ the truth of what a model caches; each object in it (and each part of a ``CacheL
 Anything else (a class mlx-lm adds later, a model's own cache class) is *unknown*: the model
 still runs, with a full prefill each turn and nothing on disk.
 
-What it is not: file I/O (``folder.py``) or turn logic (``session.py``).
+What it is not: file I/O (``folder.py``) or turn logic (``session/session.py``).
 
 On the CPU the model computes K/V in float32; ``half_stored`` swaps each attention leaf's
 class for a subclass that rounds K/V to float16 as they enter, so the disk holds them at two

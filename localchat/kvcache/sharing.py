@@ -7,14 +7,14 @@ usable prefix of a rendering (``find_donor``), links it into an empty conversati
 (``shareable_ends``); ``link_cache`` gives a fork all of its parent's files. ``NoSharing``
 stands in where sharing cannot work: a model split over ranks (each rank would need the same
 donor). What it is not: the prefix pool of ``batch`` (``prefixes.py``), the disk budget
-(``budget.py``), or the conversation rows of a fork (``conversations.py``).
+(``budget.py``), or the conversation rows of a fork (``session/conversations.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..store import Conversation
+from ..store.database import Conversation
 from .folder import CacheFolder, CacheInvalid, Layout, Manifest, common_prefix
 from .index import BLOCK, index_of
 

@@ -32,11 +32,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import crashlog, stateless
+from .. import crashlog
 from ..errors import BadInput, ContextFull, LocalchatError
 from ..events import ReasoningChunk, ReplyChunk, TurnFinished
-from ..replies import ToolHold, tool_markers
-from ..session import TurnOptions
+from ..model.replies import ToolHold, tool_markers
+from ..session import stateless
+from ..session.session import TurnOptions
 from . import anthropic_api, openai_api
 from .chat import MAX_BODY, ApiError, ChatRequest, bad
 from .worker import DONE, Job, QueueFull, Worker
@@ -51,7 +52,7 @@ class Service:
         self.worker = worker
         self.api_key = api_key
         # A request longer than the context: "stop" answers 400 context_length_exceeded (the
-        # APIs' own semantics); "truncate" leaves its oldest turns out (``window.py``).
+        # APIs' own semantics); "truncate" leaves its oldest turns out (``session/window.py``).
         self.context_overflow = context_overflow
         info = worker.session.engine.info()
         self.model = info.name
@@ -99,7 +100,7 @@ def make_app(service: Service) -> Starlette:
         return JSONResponse({"object": "list", "data": [
             {"id": service.model, "object": "model", "created": 0, "owned_by": "localchat",
              "context_length": service.context_length,
-             # What a request that names none of them gets (``sampling.py``).
+             # What a request that names none of them gets (``model/defaults.py``).
              "max_tokens": service.sampling.max_tokens,
              "defaults": service.defaults}]})
 

@@ -45,7 +45,7 @@ class ChatRequest:
     api: str  # "openai" or "anthropic"
     model: str
     messages: list[dict]
-    max_tokens: int | None  # None: the model's reply cap (``sampling.py``)
+    max_tokens: int | None  # None: the model's reply cap (``model/defaults.py``)
     # None: what the model's generation_config.json says, else localchat's default.
     temperature: float | None = None
     top_p: float | None = None

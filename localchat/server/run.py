@@ -79,7 +79,7 @@ def cmd_serve(args) -> int:
     N did not leave in the cache — across restarts too. Ctrl-C stops the server.
     """
     from ..fmt import say
-    from ..session import open_session
+    from ..session.session import open_session
 
     if not 0 <= args.port <= 65535:
         raise BadInput("--port must be between 0 and 65535")

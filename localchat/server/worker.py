@@ -1,7 +1,7 @@
 """The server's one model thread: requests run together on the scheduler, oldest first.
 
 What it is: ``Worker`` owns the ``Session`` (one SQLite connection; MLX work belongs on one
-thread, as in the app) and runs a ``Scheduler`` (``scheduler.py``) on its thread: up to
+thread, as in the app) and runs a ``Scheduler`` (``session/scheduler.py``) on its thread: up to
 ``max_batch`` turns decode together, each on its own conversation's exact cache. The HTTP
 side submits a ``Job`` and reads its events from an asyncio queue; a bounded number wait to
 start (``QueueFull`` past it: the API answers 429). A job whose client went away has its
@@ -20,8 +20,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..generation import Cancel
-from ..scheduler import Scheduler, Work
+from ..session.generation import Cancel
+from ..session.scheduler import Scheduler, Work
 
 DONE = object()  # the end of a job's events
 DEFAULT_MAX_BATCH = 8  # where the aggregate still grows on a 2-core CPU (README, issue 32)

@@ -8,6 +8,6 @@
   the definitions its last turn rendered, which makes ``tools changed`` a miss reason);
 - ``turns.py``: ``turn_with_tools``, a turn whose calls are approved, run and answered.
 
-What it is not: the front ends (``cli_tools.py``: ``localchat mcp list`` and ``ask --mcp``;
+What it is not: the front ends (``cli/tooluse.py``: ``localchat mcp list`` and ``ask --mcp``;
 ``tui/tooling.py``: the app's dialog and call blocks). Try it: ``localchat mcp list``.
 """

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from ..errors import ContextFull
 from ..events import Notice, ReplyChunk, ToolCallFinished, ToolCallStarted, TurnFinished
 from ..fmt import human_bytes
-from ..replies import ToolHold
+from ..model.replies import ToolHold
 from .manager import MAX_RESULT_CHARS, Tools, ToolStopped
 from .settings import ToolSettings
 

@@ -16,12 +16,12 @@ from textual import work
 from textual.app import SystemCommand
 from textual.screen import Screen
 
-from ..conversations import Conversations
 from ..errors import LocalchatError
 from ..fmt import visible
-from ..models import DEFAULT_MODEL, list_local
-from ..store import Conversation
-from ..window import DEFAULT as DEFAULT_POLICY
+from ..model.resolve import DEFAULT_MODEL, list_local
+from ..session.conversations import Conversations
+from ..session.window import DEFAULT as DEFAULT_POLICY
+from ..store.database import Conversation
 from .cachescreen import CacheScreen
 from .composer import Composer
 from .screens import ConfirmScreen, HelpScreen, ModelScreen, TextScreen
@@ -196,8 +196,8 @@ class Actions:
         self.drafts.schedule()  # the next prompt renders differently
 
     def action_toggle_overflow(self, policy: str | None = None) -> None:
-        """What this conversation does when it fills the context (``window.py``): ``policy``,
-        or between truncate and stop."""
+        """What this conversation does when it fills the context (``session/window.py``):
+        ``policy``, or between truncate and stop."""
         if self.dialog_open or self.current is None:
             return
         if policy is None:
@@ -221,8 +221,8 @@ class Actions:
 
     @work(thread=True, group="conversation-ops")
     def cache_view_worker(self, conv: Conversation) -> None:
-        from ..cachereport import report
-        from ..prefillmodel import Stopped
+        from ..cacheview.prefillmodel import Stopped
+        from ..cacheview.report import report
 
         # A first view may calibrate the model (8.5-13 s on the default model here); a quit
         # meanwhile stops it between two of its runs, or Python would wait for it at exit.

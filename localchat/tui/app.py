@@ -31,12 +31,12 @@ from textual.widgets import Footer, Label
 from textual.widgets import Markdown as MarkdownWidget
 
 from .. import crashlog, paths
-from ..engine import Engine
 from ..errors import LocalchatError
 from ..fmt import visible
-from ..models import DEFAULT_MODEL
-from ..session import Cancel, Session, open_session
-from ..store import Conversation, Store
+from ..model.engine import Engine
+from ..model.resolve import DEFAULT_MODEL
+from ..session.session import Cancel, Session, open_session
+from ..store.database import Conversation, Store
 from .actions import Actions
 from .chatview import ChatView, summary_of
 from .composer import Composer
@@ -111,7 +111,7 @@ class LocalchatApp(Actions, App):
         self.want_conversation = conversation
         self.want_model = model
         self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
-        # None: the model's sampling defaults (``sampling.py``), its reply cap included.
+        # None: the model's sampling defaults (``model/defaults.py``), its reply cap included.
         self.max_tokens, self.temp = max_tokens, temp
         self.speculate = speculate  # --speculate: prompt-lookup decoding (``speculative``)
         self.store: Store | None = None

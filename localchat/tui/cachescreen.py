@@ -23,7 +23,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from ..cachereport import CacheReport
+from ..cacheview.report import CacheReport
 from ..fmt import human_bytes, visible
 
 STRIP = 96  # cells of the token strip and the turn bars

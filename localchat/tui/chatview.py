@@ -18,7 +18,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Collapsible, Markdown, Static
 
 from ..fmt import visible
-from ..store import Message
+from ..store.database import Message
 from .toolcalls import ToolCallBlock, call_blocks
 
 
@@ -79,7 +79,7 @@ def _title(seconds: float | None, tokens: int | None) -> str:
 
 class WindowMarker(Static):
     """Where the model's window starts: the messages above stay stored, it no longer sees
-    them (the context filled; ``window.py``); under ``summarize``, the summary it sees in
+    them (the context filled; ``session/window.py``); under ``summarize``, the summary it sees in
     their place (``localchat summary NAME --set`` replaces it)."""
 
     def __init__(self, left_out: int, summary: str | None = None):
@@ -92,7 +92,7 @@ class WindowMarker(Static):
 
 def summary_of(conv) -> str | None:
     """The summary a conversation's next turn renders (``window.summary_in_force``)."""
-    from ..window import DEFAULT, summary_in_force
+    from ..session.window import DEFAULT, summary_in_force
 
     return summary_in_force(conv, conv.context_overflow or DEFAULT)
 
@@ -134,7 +134,7 @@ class ChatView(VerticalScroll):
         """Draw ``messages`` (the last ``FIRST`` of them; see ``show_earlier``); ``keep``:
         leave the view (and its scroll) as it is when they are what it shows already.
         ``window_from``: the first message the model still sees (the conversation's window,
-        ``window.py``); a marker stands before it, with ``summary`` (what stands for the
+        ``session/window.py``); a marker stands before it, with ``summary`` (what stands for the
         messages before it) if any."""
         drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
         drawn += (window_from, summary)

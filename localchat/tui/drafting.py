@@ -4,7 +4,7 @@ What it is: ``DraftTimer``, owned by the app. Once the message box has been stil
 ``DRAFT_DELAY``, it runs the session's ``Drafts.prefill`` on the MLX thread (after whatever job
 is there; never beside a reply or a model load), stops it at the next keystroke, and shows
 its progress in the status bar; under the box it says the text's token count. What it is not:
-which tokens are prefilled (``drafts.py``).
+which tokens are prefilled (``session/drafts.py``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 from textual.widgets import Label
 
 from ..errors import LocalchatError
-from ..generation import Cancel
-from ..store import Conversation
+from ..session.generation import Cancel
+from ..store.database import Conversation
 from .composer import Composer
 from .messages import DraftAdvanced, TurnNoticed
 from .statusbar import StatusBar, describe_draft

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
-from ..engine import ModelInfo
 from ..events import DraftProgress, Usage
-from ..session import Cancel
+from ..model.engine import ModelInfo
+from ..session.session import Cancel
 
 
 @dataclass

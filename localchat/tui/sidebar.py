@@ -18,8 +18,8 @@ from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
 from ..fmt import snippet, visible
-from ..store import Conversation
-from ..store import Message as StoredMessage
+from ..store.database import Conversation
+from ..store.database import Message as StoredMessage
 
 PAGE = 50  # conversations shown at a time (a screenful; mounting widgets is what costs)
 FOUND = 30  # messages listed for a search

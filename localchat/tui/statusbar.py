@@ -51,7 +51,7 @@ def usage_parts(usage: Usage) -> list[Part]:
         Part(f"KV {human_bytes(usage.cache_bytes)}", 8),
         *([Part("checkpoints", 9)] if usage.checkpoints else []),
     ]
-    if usage.lookup_drafted:  # prompt lookup (``speculative.py``): drafts the model took
+    if usage.lookup_drafted:  # prompt lookup (``session/speculative.py``): drafts the model took
         parts.append(Part(f"lookup {usage.lookup_accepted}/{usage.lookup_drafted} taken", 10))
     return parts
 

@@ -21,7 +21,7 @@ from textual.widgets import Markdown as MarkdownWidget
 
 from ..errors import LocalchatError
 from ..events import ToolCallFinished, ToolCallStarted
-from ..replies import tool_markers
+from ..model.replies import tool_markers
 from ..tools.config import ServerSpec, load_config
 from ..tools.manager import Tools
 from ..tools.settings import ToolSettings

@@ -9,7 +9,6 @@ thread) or the thread itself (``mlxthread.py``; ``LocalchatApp.turn_worker`` han
 
 from __future__ import annotations
 
-from ..engine import now
 from ..errors import LocalchatError
 from ..events import (
     Notice,
@@ -20,8 +19,9 @@ from ..events import (
     ToolCallStarted,
     TurnFinished,
 )
-from ..session import Cancel, TurnOptions
-from ..store import Conversation
+from ..model.engine import now
+from ..session.session import Cancel, TurnOptions
+from ..store.database import Conversation
 from .messages import (
     PrefillAdvanced,
     ReasoningStreamed,

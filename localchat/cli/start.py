@@ -1,0 +1,107 @@
+"""How a command gets its model: the flags it shares (the KV cache's bits, thinking, the hosts
+of a split run) and ``session_for``, which loads the model (split over the hosts with
+``--hosts``) and says its loading notices. Used by ``cli``'s ask, chat, batch and inspect.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..errors import BadInput
+from ..fmt import say
+
+
+def add_kv_flags(p: argparse.ArgumentParser, which: str = "for the conversation") -> None:
+    p.add_argument("--kv-bits", type=int, choices=[0, 4, 8], default=None, metavar="{8,4,0}",
+                   help=f"store the KV cache {which} quantized to 8 or 4 bits (0: float16); "
+                        "remembered; refused if it fails the model's quality gate")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=None,
+                   metavar="{32,64,128}", help="quantization group (default: from head dim)")
+
+
+def add_speculate_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculate", choices=["off", "lookup"], default="lookup",
+                   help="prompt-lookup decoding: draft the next tokens from the conversation "
+                        "and verify them at once (same text, faster where a reply repeats "
+                        "it); default lookup")
+
+
+def add_thinking_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--thinking", choices=["on", "off"], default=None,
+                   help="whether a reasoning model thinks first (the template's switch; "
+                        "remembered by the conversation)")
+
+
+def thinking_setting(session, args) -> bool | None:
+    """The --thinking flag as a setting; a notice when the model's template has no switch."""
+    choice = getattr(args, "thinking", None)
+    if choice is None:
+        return None
+    if not session.engine.thinking_switch:
+        say(f"{session.model_name}'s chat template has no thinking switch; --thinking "
+            "changes nothing")
+    return choice == "on"
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", metavar="IP,IP,...",
+                   help="split the model over these machines (the first is this one; "
+                        "127.0.0.1,127.0.0.1 tries it here); see 'Bigger than one machine'")
+    p.add_argument("--hostfile", metavar="FILE",
+                   help="the hosts as mlx.launch's JSON ([{\"ssh\": …, \"ips\": […]}, …])")
+    p.add_argument("--shard", choices=["auto", "tensor", "pipeline"], default="auto",
+                   help="split by attention heads (tensor) or by layers (pipeline); auto: "
+                        "heads when the model allows")
+
+
+def start_cluster(args, model: str | None):
+    """With --hosts/--hostfile: start the followers and join them (``launch.start``);
+    the group to load the model over, or None for one process."""
+    if not (getattr(args, "hosts", None) or getattr(args, "hostfile", None)):
+        return None
+    from ..cluster import launch, split
+    from ..cpu import backend
+    from ..model.resolve import resolve
+
+    hosts = launch.parse_hosts(args.hosts, args.hostfile)
+    if getattr(args, "kv_bits", None) is not None:
+        raise BadInput("--kv-bits is set without --hosts (its quality check runs the whole "
+                       "model in one process); the setting is kept when split")
+    if getattr(args, "parallel", 1) > 1:
+        raise BadInput("--parallel runs in one process; not with --hosts")
+    here = sum(h.ip in launch.LOOPBACK for h in hosts)
+    if here > 1 and "OPENBLAS_NUM_THREADS" not in os.environ:
+        # Ranks sharing this machine share its cores: BLAS threads that outnumber them spin
+        # while they wait and starve the other rank (a pipeline prefill ran ~20x slower).
+        os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // here))
+    backend.prepare()
+    ref = resolve(model, progress=say)
+    try:
+        config = json.loads((ref.path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise BadInput(f"cannot read {ref.name}'s config.json: {err}") from None
+    shard = split.check_shard(config, args.shard, len(hosts), ref.name)
+    local = all(h.ip in launch.LOOPBACK for h in hosts)
+    # Followers on this machine load the same folder; elsewhere they resolve the name.
+    ring = launch.start(hosts, shard, str(ref.path) if local else model, say)
+    say(f"{ref.name} split by {'heads' if shard == 'tensor' else 'layers'} over "
+        f"{ring.size} ranks")
+    return ring
+
+
+def session_for(model: str | None, args=None):
+    """The session of every command that runs a model; loading notices go to stderr.
+    With --hosts, the model is split over the hosts (``start_cluster``)."""
+    group = start_cluster(args, model)
+    if group is None:
+        from ..model.preload import preload
+
+        preload(model)  # the CPU weights are read while the session's modules import
+    from ..session.session import open_session
+
+    session = open_session(model, progress=say, group=group)
+    for text in session.start_notices():
+        say(text)
+    return session
