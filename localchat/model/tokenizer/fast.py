@@ -13,7 +13,7 @@ loaded then.
 
 What it is not: a general transformers replacement. Equality with transformers (token ids,
 the Rust tokenizer's whole configuration, rendered prompts) is tested in
-``tests/test_fast_tokenizer.py``.
+``tests/model/test_fast_tokenizer.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from . import template as chat
 
 PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 # Model types whose hub tokenizer class transformers replaces by its own (transformers'
-# ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``; tests/test_fast_tokenizer.py keeps it equal).
+# ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``; tests/model/test_fast_tokenizer.py keeps it equal).
 REPLACED_CLASS_TYPES = frozenset({
     "arctic", "chatlm", "ernie4_5", "ernie4_5_moe", "fuyu", "h2ovl_chat", "hyperclovax",
     "hyperclovax_vlm", "hyperclovax_vision_v2", "internlm2", "internlm3", "iquestcoder", "jamba",

@@ -17,7 +17,7 @@ reply cut mid-character ends in U+FFFD there, as the whole decode does).
 What it is not: mlx-lm's detokenizers, which trim a reply's leading space; this one keeps
 it, so the streamed reply is the stored one. Byte-fallback tokens (``hold``) wait for the
 end of their run, because SentencePiece's decoder turns a whole invalid run into U+FFFD.
-Property tests: tests/test_fast_tokenizer.py.
+Property tests: tests/model/test_fast_tokenizer.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ tokenizer's named special tokens (``bos_token``, ``eos_token``, …) and the cal
 What it is not: the whole of ``apply_chat_template``. A continued final message, assistant
 masks, control-token sanitizing, batches and tools given as Python functions raise
 ``Unsupported``; the tokenizer then asks transformers (``fast.py``). Equality with
-transformers is tested on published templates (``tests/test_fast_tokenizer.py``).
+transformers is tested on published templates (``tests/model/test_fast_tokenizer.py``).
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def report() -> CacheReport:
 
 
 class ViewApp(App):
-    CSS_PATH = "../localchat/tui/app.tcss"
+    CSS_PATH = "../../localchat/tui/app.tcss"
 
     def compose(self) -> ComposeResult:
         bar = StatusBar(id="status")
@@ -250,7 +250,7 @@ NEAR_FULL = Usage(prompt_tokens=5_702, cached_tokens=5_650, prefilled_tokens=52,
 
 
 class NearApp(App):
-    CSS_PATH = "../localchat/tui/app.tcss"
+    CSS_PATH = "../../localchat/tui/app.tcss"
 
     def __init__(self, usage: Usage):
         super().__init__()

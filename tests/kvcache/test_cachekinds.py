@@ -29,7 +29,7 @@ PROMPTS = ["Hello there, how are you today? Tell me about Seoul.",
            "Thanks, tell me more about caches please."]
 BOUNDED = ["gemma3_text", "gpt_oss", "llama4", "qwen3_next", "lfm2", "mamba2", "falcon_h1",
            "baichuan_m1"]
-HELPER = str(Path(__file__).parent / "crash_helper.py")
+HELPER = str(Path(__file__).parents[1] / "crash_helper.py")
 
 
 @pytest.fixture(scope="module")

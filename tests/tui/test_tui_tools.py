@@ -260,7 +260,7 @@ def test_a_call_in_a_real_terminal(home, tool_model):  # noqa: F811
     from localchat.store.database import Store
 
     configure(home, {"time": time_server()})
-    script = Path(__file__).parent / "scripted_serve.py"
+    script = Path(__file__).parents[1] / "scripted_serve.py"
     app = PtyApp([sys.executable, str(script), "chat", "-c", "pty", "-m", str(tool_model)],
                  {"LOCALCHAT_HOME": str(home), "LOCALCHAT_DRAFT_PREFILL": "0",
                   "PYTHONPATH": os.pathsep.join(sys.path),

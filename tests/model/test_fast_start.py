@@ -14,7 +14,7 @@ import pytest
 
 from localchat.cli.main import main
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 
 def imported(tiny_model: Path, home: Path, *args: str) -> tuple[set[str], str]:

@@ -22,7 +22,7 @@ def test_the_cache_view_of_a_split_model_opens_and_the_app_goes_on(llama, tmp_pa
     exit), says why there is no estimate, and the next turn is answered on both ranks."""
     home = tmp_path / "home"
     model = llama
-    helper = Path(__file__).parent / "cluster_app_helper.py"
+    helper = Path(__file__).parents[1] / "cluster_app_helper.py"
     out = subprocess.run([sys.executable, str(helper), str(model), "tensor",
                           "hello there one two", "and now the second turn", "F3", "a third"],
                          env=_env(home), capture_output=True, text=True, timeout=180)

@@ -148,8 +148,8 @@ def test_decode_never_samples_a_control_token(engine):
 def test_ask_stops_at_an_end_token(home, tiny_model):
     env = {**os.environ, "LOCALCHAT_HOME": str(home),
            "SCRIPTED_REPLIES": json.dumps(["Paris.<|endoftext|>" + TAIL]),
-           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.getcwd()])}
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "scripted_serve.py"),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.getcwd()])}
+    out = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "scripted_serve.py"),
                           "ask", "-m", str(tiny_model), "--json", "Capital of France?"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

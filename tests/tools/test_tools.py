@@ -247,7 +247,7 @@ def test_ask_with_tools_for_a_model_without_tool_calling(home, tmp_path, tiny_mo
 
 # -- fault servers (tests/mcp_faults.py) ------------------------------------------------------
 
-FAULTS = Path(__file__).parent / "mcp_faults.py"
+FAULTS = Path(__file__).parents[1] / "mcp_faults.py"
 PROBE_CALL = '<tool_call>\n{"name": "probe", "arguments": {"what": "x"}}\n</tool_call>'
 
 
@@ -434,7 +434,7 @@ def test_ctrl_c_twice_during_a_hanging_call_leaves_no_server(home, tmp_path, too
     pidfile = tmp_path / "server.pid"
     cfg = write_config(tmp_path / "mcp.json", {"slow": fault(
         "hang", timeout=600, env={"MCP_FAULTS_PID": str(pidfile)})})
-    script = Path(__file__).parent / "scripted_serve.py"
+    script = Path(__file__).parents[1] / "scripted_serve.py"
     proc = subprocess.Popen(
         [sys.executable, str(script), "ask", "-m", str(tool_model), "-c", "i", "--mcp",
          str(cfg), "--allow-tools", "probe", "hi"],

@@ -190,7 +190,7 @@ def test_chat_app_split_over_two_ranks(models, tmp_path):
     model = models["qwen3_next"]
     one = [ask(home, model, "one", "hello there one two"),
            ask(home, model, "one", "and now the second turn")]
-    helper = Path(__file__).parent / "cluster_app_helper.py"
+    helper = Path(__file__).parents[1] / "cluster_app_helper.py"
     out = subprocess.run([sys.executable, str(helper), str(model), "pipeline",
                           "hello there one two", "and now the second turn"],
                          env=_env(home), capture_output=True, text=True, timeout=180)
