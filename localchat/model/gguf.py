@@ -46,9 +46,9 @@ DEFAULT_DIR_NAME = "smollm2-135m"
 # SmolLM2-135M-Instruct's recommended sampling: its model card's example
 # (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct, "temperature=0.2, top_p=0.9"); the
 # Hub repo's own generation_config.json names none. Measured against localchat's 0.7 on this
-# model (scripts/bench_sampling.py, README "Sampling"). A higher SAMPLING_VERSION rewrites the
-# file in folders converted before (a file without our mark, or of this version, is left as it
-# is: the user's).
+# model (scripts/bench_sampling.py, docs/replies.md "Sampling"). A higher SAMPLING_VERSION
+# rewrites the file in folders converted before (a file without our mark, or of this version,
+# is left as it is: the user's).
 SAMPLING_ADVICE = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 SAMPLING_SOURCE = "SmolLM2-135M-Instruct model card"
 SAMPLING_VERSION = 1

@@ -24,7 +24,7 @@ from ..session.generation import Cancel
 from ..session.scheduler import Scheduler, Work
 
 DONE = object()  # the end of a job's events
-DEFAULT_MAX_BATCH = 8  # where the aggregate still grows on a 2-core CPU (README, issue 32)
+DEFAULT_MAX_BATCH = 8  # the aggregate still grows here on 2 cores (docs/benchmarks.md, issue 32)
 
 
 class QueueFull(Exception):

@@ -24,7 +24,7 @@ SEP = " · "
 # From this share of the context on, the bar says how full it is and keeps saying it at any
 # width: soon the oldest turns leave the window (``truncate``; with the app's 2,048-token reply
 # cap the default model's window moves once it passes 75% of 8,192) or a turn is refused
-# (``stop``). Korean fills it ~4.7x faster than English (README, "A full context").
+# (``stop``). Korean fills it ~4.7x faster than English (docs/app.md, "The status bar").
 NEAR = 0.7
 
 
