@@ -107,7 +107,7 @@ def main() -> int:
         sys.path.insert(0, str(ROOT / "tests"))
         from tiny import build_tiny_model
 
-        from localchat.engine import Engine
+        from localchat.model.engine import Engine
 
         base = Engine.load(str(build_tiny_model(home / "tiny-llama")))
         asyncio.run(shoot(scripted_engine(base), args.out))
