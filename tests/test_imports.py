@@ -72,7 +72,7 @@ LAYERS = {
                           "localchat.cpu.*", "localchat.cluster", "localchat.cluster.group",
                           "localchat.cluster.control", "localchat.cluster.split",
                           "localchat.endtokens", "localchat.sampling", "localchat.sampler",
-                          "localchat.window"],
+                          "localchat.window", "localchat.model.constraint"],
     "engine": ["localchat.engine", "localchat.speculative", "localchat.loading",
                "localchat.modelinfo"],
     "session": ["localchat.session", "localchat.conversations", "localchat.turncache",
