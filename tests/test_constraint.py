@@ -401,7 +401,7 @@ def _object(t) -> dict:
 def test_generated_schemas_constrain_random_models(tiny: Vocab):
     seen = {"done": 0, "cut": 0}
 
-    @settings(max_examples=40, deadline=None, derandomize=True,
+    @settings(max_examples=60, deadline=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(schemas(3).filter(lambda s: s.get("type") in ("object", "array")))
     def check(schema: dict):
@@ -411,6 +411,7 @@ def test_generated_schemas_constrain_random_models(tiny: Vocab):
         seen["cut"] += cut
 
     check()
+    print(f"generated schemas: {seen['done']} replies completed, {seen['cut']} cut at the cap")
     assert seen["done"] >= seen["cut"], seen
 
 
@@ -486,7 +487,7 @@ NOT_SCHEMAS = st.one_of(st.integers(), st.floats(allow_nan=False), st.text(), st
                         st.lists(st.integers(), max_size=3))
 
 
-@settings(max_examples=150, deadline=None, derandomize=True)
+@settings(max_examples=150, deadline=None)
 @given(st.one_of(NOT_SCHEMAS.map(lambda v: ("top", v)),
                  st.sampled_from(sorted(WRONG)).flatmap(
                      lambda k: WRONG[k][1].map(lambda v: (k, v)))))
@@ -498,7 +499,8 @@ def test_generated_wrong_types_are_refused_in_one_line(case):
         kind = WRONG[keyword][0]
         inner = {keyword: value} if kind is None else {"type": kind, keyword: value}
         schema = {"type": "object", "properties": {"x": inner}, "required": ["x"]}
-    for source in (schema, json.dumps(schema)):
+    # A str is JSON text: the value itself only as its JSON ('"true"', not 'true').
+    for source in [json.dumps(schema)] + ([] if isinstance(schema, str) else [schema]):
         with pytest.raises(BadConstraint) as err:
             parse_spec("json_schema", source)
         text = str(err.value)
