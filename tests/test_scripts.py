@@ -69,6 +69,14 @@ def _coldstart(r: dict) -> None:
     assert r["transformers_imported"]["this tree"] is False
 
 
+def _constraint(r: dict) -> None:
+    decoded = [x for x in r["schemas"] if "tokens" in x]
+    assert len(r["schemas"]) == 7 and len(decoded) == 6
+    assert all(x["compile_ms"] > 0 and x["tokens"] > 0 for x in decoded)
+    assert set(r["per_token_us"]) >= {"mask", "consume", "forward", "verify masks (4)"}
+    assert r["apply_us"]["1 row float32"] > 0 and r["vocab"] == r["logits_width"]
+
+
 def _decode(r: dict) -> None:
     assert r["stock"] is not None and r["fast"]["model"] == r["model"]
     look = r["lookup"]  # prompt lookup on and off, both tasks: the same replies
@@ -160,6 +168,8 @@ CASES = {
                        "resumed_exit_s", "chat_first_frame_s", "chat_model_ready_s",
                        "imports_s", "steps_s", "transformers_imported", "versions"},
                       _coldstart),
+    "constraint": Case({"vocab", "logits_width", "tokenizer_build_s", "schemas",
+                        "per_token_us", "apply_us", "forward_ms", "overhead_us"}, _constraint),
     "decode": Case({"fast", "stock", "decode_vs_mlxlm", "prefill_speedup_vs_stock",
                     "decode_speedup_vs_stock", "attention_prefill_speedup",
                     "attention_decode_speedup", "lookup"}, _decode),
