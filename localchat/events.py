@@ -97,6 +97,8 @@ class Usage:
     reasoning_tokens: int = 0  # of completion_tokens: the model's reasoning
     lookup_drafted: int = 0  # prompt-lookup draft tokens verified (``session/speculative.py``)
     lookup_accepted: int = 0  # of those, the ones the model agreed with (in the reply)
+    constrained: str = ""  # the reply's constraint ("json_schema", "regex", …; "": free)
+    forced_tokens: int = 0  # of completion_tokens: those the grammar allowed alone
 
     @classmethod
     def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
@@ -104,7 +106,8 @@ class Usage:
            context_length: int, cache_bytes: int = 0, bytes_written: int = 0,
            miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0,
            reasoning_tokens: int = 0, lookup_drafted: int = 0,
-           lookup_accepted: int = 0, decode_from: float | None = None) -> Usage:
+           lookup_accepted: int = 0, decode_from: float | None = None,
+           constrained: str = "", forced_tokens: int = 0) -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
@@ -136,6 +139,8 @@ class Usage:
             reasoning_tokens=reasoning_tokens,
             lookup_drafted=lookup_drafted,
             lookup_accepted=lookup_accepted,
+            constrained=constrained,
+            forced_tokens=forced_tokens,
         )
 
     @property
@@ -158,6 +163,8 @@ class Usage:
             **({"reasoning_tokens": self.reasoning_tokens} if self.reasoning_tokens else {}),
             **({"lookup_drafted": self.lookup_drafted, "lookup_accepted": self.lookup_accepted}
                if self.lookup_drafted else {}),
+            **({"constrained": self.constrained, "forced_tokens": self.forced_tokens}
+               if self.constrained else {}),
         }
 
 
@@ -173,6 +180,7 @@ class TurnFinished:
     tool_calls: tuple[dict, ...] = ()  # {"type": "function", "function": {name, arguments}}
     reasoning: str = ""  # the model's reasoning before ``reply`` (a reasoning model's)
     thinking_s: float = 0.0  # what the reasoning took, as stored with the reply (0.1 s steps)
+    complete: bool | None = None  # a constrained reply: its grammar satisfied (None: free)
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def main() -> None:
     import numpy as np
 
     import localchat.model.constraint as cm
-    from localchat.engine import Engine
+    from localchat.model.engine import Engine
 
     engine = Engine.load(args.model)
     ends = engine.end_tokens().ends

@@ -77,6 +77,13 @@ def _constraint(r: dict) -> None:
     assert r["apply_us"]["1 row float32"] > 0 and r["vocab"] == r["logits_width"]
 
 
+def _structured(r: dict) -> None:
+    assert r["replies"] == 5 and set(r["validity"]) == {"person", "review", "event", "shopping",
+                                                        "contact"}
+    assert set(r["decode_tps"]) == {"free", "long_string", "ten_plain", "ten_forced"}
+    assert all(v > 0 for v in r["decode_tps"].values()) and r["forced_tokens"][0] > 0
+
+
 def _decode(r: dict) -> None:
     assert r["stock"] is not None and r["fast"]["model"] == r["model"]
     look = r["lookup"]  # prompt lookup on and off, both tasks: the same replies
@@ -196,6 +203,9 @@ CASES = {
                    "serve_empty_s", "serve_stored_s", "clients", "gaps"}, _serve),
     "share": Case({"prompt_tokens", "shared_cached_tokens", "shared_ttft_s", "alone_ttft_s",
                    "fork_bytes_written", "fork_next_turn"}, _share),
+    "structured": Case({"cap", "prompts_per_schema", "validity", "valid_total", "replies",
+                        "decode_tps", "trials", "forced_tokens", "mask_ratio", "forced_ratio"},
+                       _structured),
     "windows": Case({"layer_mix", "windows", "calibration_s", "measured_s", "ratios",
                      "worst_error"}, _windows, model=False),
 }

@@ -28,12 +28,16 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .. import paths
 from ..errors import BadInput, LocalchatError
 from ..events import Notice, TurnFinished
 from ..fmt import StatusLine
 from ..kvcache.prefixes import PrefixPool
+
+if TYPE_CHECKING:
+    from ..model.constraint import ConstraintSpec
 from ..session.session import Session, TurnOptions
 from .batchlines import BatchResult, Job
 
@@ -48,6 +52,7 @@ class BatchOptions:
     thinking: bool | None = None  # a reasoning model thinks (--thinking; None: as its template)
     context_overflow: str | None = None  # for `conversation` lines (None: the conversation's)
     speculate: str = "lookup"  # prompt-lookup decoding of lone lines (--speculate off|lookup)
+    constraint: ConstraintSpec | None = None  # lines without their own (--format/--regex/…)
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -100,21 +105,25 @@ def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
     ok = [job for job in group if job.line not in refused]
     outcomes = iter(complete_group(session, [job.messages for job in ok], pool,
                                    [job.max_tokens or options.max_tokens for job in ok],
-                                   options.temp, options.thinking) if ok else ())
+                                   options.temp, options.thinking,
+                                   [job.constraint or options.constraint for job in ok])
+                    if ok else ())
     results = []
     for job in group:
         outcome = refused.get(job.line) or next(outcomes)
         if isinstance(outcome, (str, LocalchatError)):
             results.append(BatchResult(job.id, job.line, error=str(outcome)))
         else:
-            reply, reasoning, usage = outcome
-            results.append(BatchResult(job.id, job.line, reply, usage, reasoning=reasoning))
+            reply, reasoning, usage, complete = outcome
+            results.append(BatchResult(job.id, job.line, reply, usage, reasoning=reasoning,
+                                       complete=complete))
     return results
 
 
 def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) -> BatchResult:
     turn = TurnOptions(max_tokens=job.max_tokens or options.max_tokens, temp=options.temp,
-                       thinking=options.thinking, speculate=options.speculate)
+                       thinking=options.thinking, speculate=options.speculate,
+                       constraint=job.constraint or options.constraint)
     try:
         if job.conversation is not None:
             conv = session.store.get(job.conversation)
@@ -136,7 +145,7 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
                 notice(job.line, ev.text)
             elif isinstance(ev, TurnFinished):
                 return BatchResult(job.id, job.line, ev.reply, ev.usage,
-                                   reasoning=ev.reasoning)
+                                   reasoning=ev.reasoning, complete=ev.complete)
     except LocalchatError as err:
         return BatchResult(job.id, job.line, error=str(err))
     return BatchResult(job.id, job.line, error="no reply")

@@ -14,6 +14,10 @@ What a line may hold (anything else is that line's error):
   conversation's name, with a ``prompt``, no ``messages`` and no ``system`` (it has its own).
 - ``system``: a string ("" adds nothing). ``max_tokens``: an integer >= 1, capped by the room
   left in the context.
+- The reply's shape, one of: ``schema`` (a JSON Schema: an object or a boolean), ``format``
+  (``"json"``: any JSON object), ``regex`` or ``grammar`` (Lark text); checked as the line is
+  read (``model/constraint.py``), before any model work. A line without one takes the run's
+  ``--format``/``--regex``/``--grammar``.
 - No other key, no key twice in any object, no NaN or Infinity; a key set to null is absent.
   Text may hold any character (NUL included) but no lone surrogate (``"\\ud800"``).
 
@@ -35,11 +39,17 @@ import sys
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import BadInput
 from ..events import Usage
 
-KEYS = ("id", "prompt", "messages", "conversation", "system", "max_tokens")
+if TYPE_CHECKING:
+    from ..model.constraint import ConstraintSpec
+
+KEYS = ("id", "prompt", "messages", "conversation", "system", "max_tokens", "schema", "format",
+        "regex", "grammar")
+SHAPES = ("schema", "format", "regex", "grammar")  # a line's constraint, one at most
 ROLES = ("system", "user", "assistant")
 BOM = b"\xef\xbb\xbf"
 
@@ -52,6 +62,7 @@ class Job:
     conversation: str | None  # or a turn of a saved conversation
     prompt: str | None
     max_tokens: int | None
+    constraint: ConstraintSpec | None = None  # the line's own (``SHAPES``)
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class BatchResult:
     usage: Usage | None = None
     error: str | None = None
     reasoning: str = ""  # a reasoning model's thinking, apart from the reply
+    complete: bool | None = None  # a constrained reply: its grammar satisfied
 
     def to_json(self) -> dict:
         """The output object, writable as strict JSON in UTF-8 (``allow_nan=False``)."""
@@ -71,6 +83,7 @@ class BatchResult:
             return {"id": _writable(self.id), "line": self.line, "error": _one_line(self.error)}
         return {"id": self.id, "reply": self.reply,
                 **({"reasoning": self.reasoning} if self.reasoning else {}),
+                **({"complete": self.complete} if self.complete is not None else {}),
                 "usage": self.usage.public()}
 
 
@@ -215,6 +228,7 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
     if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(
             max_tokens, int) or max_tokens < 1):
         raise refuse(f"max_tokens must be a positive integer, not {_what(max_tokens)}")
+    shape = _constraint(given, refuse)
     system = _text(given, "system", refuse) or None
     prompt = _text(given, "prompt", refuse)
     conversation = _text(given, "conversation", refuse)
@@ -228,7 +242,7 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
             if any(m["role"] == "system" for m in msgs):
                 raise refuse('give the system prompt once: "system" or a system message')
             msgs = [{"role": "system", "content": system}] + msgs
-        return Job(line, job_id, msgs, None, None, max_tokens)
+        return Job(line, job_id, msgs, None, None, max_tokens, shape)
     if prompt is None:
         raise refuse('needs a "prompt" (or "messages")')
     if not prompt.strip():
@@ -239,10 +253,36 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
         if system is not None:
             raise refuse('a "conversation" line takes no "system" (the conversation keeps '
                          'its own)')
-        return Job(line, job_id, None, conversation, prompt, max_tokens)
+        return Job(line, job_id, None, conversation, prompt, max_tokens, shape)
     msgs = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
-    return Job(line, job_id, msgs, None, None, max_tokens)
+    return Job(line, job_id, msgs, None, None, max_tokens, shape)
+
+
+def _constraint(given: dict, refuse: Callable[[str], _Refused]) -> ConstraintSpec | None:
+    """The line's own constraint, checked now (its error is the line's)."""
+    named = [k for k in SHAPES if k in given]
+    if not named:
+        return None
+    if len(named) > 1:
+        raise refuse(f"give one of {', '.join(SHAPES)}, not {' and '.join(named)}")
+    from ..model.constraint import BadConstraint, parse_spec
+
+    key = named[0]
+    value = given[key]
+    try:
+        if key == "format":
+            if value != "json":
+                raise refuse(f'format must be "json", not {_what(value)} (a schema goes in '
+                             '"schema")')
+            return parse_spec("json_object", field="format")
+        if key == "schema":
+            return parse_spec("json_schema", value, field="schema")
+        if not isinstance(value, str):
+            raise refuse(f"{key} must be a string, not {_what(value)}")
+        return parse_spec("regex" if key == "regex" else "grammar", value, field=key)
+    except BadConstraint as err:
+        raise refuse(str(err)) from None
 
 
 def _repeated(keys: list[list[str]]) -> str | None:

@@ -39,9 +39,11 @@ from .data import (
 from .inspection import cmd_inspect
 from .start import (
     add_cluster_flags,
+    add_constraint_flags,
     add_kv_flags,
     add_speculate_flag,
     add_thinking_flag,
+    constraint_of,
     session_for,
     start_cluster,
     thinking_setting,
@@ -113,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    add_constraint_flags(a)
     add_tool_flags(a)
     add_thinking_flag(a)
     add_overflow_flag(a)
@@ -141,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--parallel", type=int, default=1, metavar="N",
                    help="decode up to N prompt lines together (faster; greedy replies may "
                         "differ from one-at-a-time in rare tokens)")
+    add_constraint_flags(b, "each reply (a line's own schema, regex or grammar comes first)")
     add_thinking_flag(b)
     add_speculate_flag(b)
     add_cluster_flags(b)
@@ -264,13 +268,17 @@ def cmd_ask(args) -> int:
     KV cache comes back from disk, so only the new message is prefilled. Ctrl-C stops the
     reply: what was generated is saved (marked partial) and the cache matches it.
     --regenerate answers the last message again; --edit-last replaces it by PROMPT; both
-    reuse the cache up to that message.
+    reuse the cache up to that message. --format, --regex or --grammar constrain the reply's
+    shape (--json then says whether it is "complete": a reply cut by --max-tokens is not).
     """
     if (args.regenerate or args.edit_last) and not args.conversation:
         raise BadInput("--regenerate and --edit-last need -c NAME")
     prompt = None if args.regenerate else read_prompt(args.prompt)
     if args.max_tokens < 1:
         raise BadInput("--max-tokens must be at least 1")
+    constraint = constraint_of(args)  # (checked before any model work)
+    if constraint is not None and tools_wanted(args):
+        raise BadInput("--format/--regex/--grammar go without --mcp/--allow-tools")
     store = open_store()
     known = store.find(args.conversation) if args.conversation else None
     store.close()
@@ -286,7 +294,8 @@ def cmd_ask(args) -> int:
     if not args.conversation:
         print(f"conversation: {conv.name}", file=sys.stderr)
     options = TurnOptions(max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
-                          no_cache=args.no_cache, speculate=args.speculate)
+                          no_cache=args.no_cache, speculate=args.speculate,
+                          constraint=constraint)
     cancel = Cancel()
     calls: list[dict] = []  # the tool calls of the turn (--mcp/--allow-tools)
     if tools_wanted(args):
@@ -304,7 +313,8 @@ def cmd_ask(args) -> int:
     if args.json:
         out = {"conversation": conv.name, "reply": finished.reply,
                **({"reasoning": finished.reasoning} if finished.reasoning else {}),
-               "usage": finished.usage.public(), **({"tool_calls": calls} if calls else {})}
+               "usage": finished.usage.public(), **({"tool_calls": calls} if calls else {}),
+               **({"complete": finished.complete} if finished.complete is not None else {})}
         if finished.stopped:
             out["stopped"] = True
         print(json.dumps(out, ensure_ascii=False))
@@ -384,7 +394,7 @@ def cmd_batch(args) -> int:
     from .batchlines import done_ids, parse_lines, read_lines
 
     options = BatchOptions(max_tokens=args.max_tokens, temp=args.temp, parallel=args.parallel,
-                           speculate=args.speculate,
+                           speculate=args.speculate, constraint=constraint_of(args),
                            kv_bits=args.kv_bits, kv_group=args.kv_group_size,
                            context_overflow=args.context_overflow)
     if options.parallel < 1:

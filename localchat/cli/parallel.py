@@ -24,11 +24,13 @@ from ..session.session import Session
 
 
 def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
-                   max_tokens: list[int], temp: float, thinking: bool | None = None
-                   ) -> Iterable[tuple[str, str, Usage] | LocalchatError]:
-    """(reply, reasoning, usage) for ``chats`` decoded together; the error in place of a line
-    that failed (one that does not fit the context). The chats are checked lines
-    (``batch.py``); ``thinking``: the template's switch (``TurnOptions.thinking``)."""
+                   max_tokens: list[int], temp: float, thinking: bool | None = None,
+                   constraints: list | None = None
+                   ) -> Iterable[tuple[str, str, Usage, bool | None] | LocalchatError]:
+    """(reply, reasoning, usage, complete) for ``chats`` decoded together; the error in place
+    of a line that failed (one that does not fit the context). The chats are checked lines
+    (``batch.py``); ``thinking``: the template's switch (``TurnOptions.thinking``);
+    ``constraints``: each chat's ``ConstraintSpec`` or None (each row masked by its own)."""
     engine = session.engine
     rendered = []
     for chat, limit in zip(chats, max_tokens):
@@ -41,11 +43,12 @@ def complete_group(session: Session, chats: list[list[dict]], pool: PrefixPool,
     results: list = [None] * len(chats)
 
     def work(i: int) -> Work:
-        options = TurnOptions(max_tokens=max_tokens[i], temp=temp, thinking=thinking)
+        options = TurnOptions(max_tokens=max_tokens[i], temp=temp, thinking=thinking,
+                              constraint=constraints[i] if constraints else None)
 
         def emit(ev) -> None:
             if isinstance(ev, TurnFinished):
-                results[i] = (ev.reply, ev.reasoning, ev.usage)
+                results[i] = (ev.reply, ev.reasoning, ev.usage, ev.complete)
             elif isinstance(ev, LocalchatError):
                 results[i] = ev
             elif isinstance(ev, BaseException):

@@ -34,6 +34,45 @@ def add_thinking_flag(p: argparse.ArgumentParser) -> None:
                         "remembered by the conversation)")
 
 
+def add_constraint_flags(p: argparse.ArgumentParser, what: str = "the reply") -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--format", metavar="json|SCHEMA", default=None,
+                   help=f"constrain {what}: 'json' (any JSON object) or a JSON Schema (a file, "
+                   "or the schema itself)")
+    g.add_argument("--regex", metavar="RE", default=None,
+                   help=f"constrain {what} to match RE as a whole")
+    g.add_argument("--grammar", metavar="FILE.lark", default=None,
+                   help=f"constrain {what} to a Lark grammar (llguidance's dialect)")
+
+
+def constraint_of(args):
+    """The ``ConstraintSpec`` the flags ask for (None: a free reply), checked before any model
+    work: a file that cannot be read or a bad schema, regex or grammar is one line."""
+    fmt, regex, grammar = (getattr(args, k, None) for k in ("format", "regex", "grammar"))
+    if fmt is None and regex is None and grammar is None:
+        return None
+    from ..model.constraint import parse_spec
+
+    if regex is not None:
+        return parse_spec("regex", regex, field="--regex")
+    if grammar is not None:
+        return parse_spec("grammar", _read(grammar, "--grammar"), field="--grammar")
+    if fmt.strip() == "json":
+        return parse_spec("json_object", field="--format")
+    inline = fmt.lstrip()[:1] in ("{", "[", '"') or fmt.strip() in ("true", "false")
+    return parse_spec("json_schema", fmt if inline else _read(fmt, "--format"),
+                      field="--format")
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        why = getattr(err, "strerror", None) or "not UTF-8 text"
+        raise BadInput(f"{flag}: cannot read {path}: {why}") from None
+
+
 def thinking_setting(session, args) -> bool | None:
     """The --thinking flag as a setting; a notice when the model's template has no switch."""
     choice = getattr(args, "thinking", None)

@@ -306,11 +306,18 @@ class Engine:
     def sampler(self, temp: float = 0.0, top_p: float = 1.0, **settings):
         """A turn's ``Sampler`` (``sampler.py``) with this model's banned control tokens and,
         split over ranks, rank 0's choice for every rank. ``settings``: top_k, min_p,
-        repetition_penalty, seed."""
+        repetition_penalty, seed, grammar, free_until."""
         from .sampler import Sampler
 
         return Sampler(temp, top_p, banned=sorted(self.hidden_ids - self.eos_ids),
                        root=self.group.from_root, **settings)
+
+    def grammar(self, spec):
+        """A turn's grammar state (``constraint.Matcher``) for ``spec`` over this model's
+        tokenizer and end tokens (llguidance's view of the vocabulary is built once)."""
+        from .constraint import Matcher, tokenizer_for
+
+        return Matcher(spec, tokenizer_for(self.tokenizer, self.eos_ids))
 
     def sampling(self):
         """The sampling defaults in force for the app and ``serve`` (``defaults.py``)."""
@@ -436,7 +443,8 @@ class Engine:
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
         top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
-        repetition_penalty: float = 1.0, stepped: bool = False,
+        repetition_penalty: float = 1.0, stepped: bool = False, grammar=None,
+        free_until: tuple[int, ...] = (),
     ) -> Iterator[int | Step]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
@@ -447,14 +455,16 @@ class Engine:
         (``eager``), token n is yielded first and fed after (when the caller stops there,
         as it closes this generator). ``stepped``: each model step is yielded as a ``Step``
         for a scheduler to run together with other turns' (``session/scheduler.py``) instead
-        of being run here.
+        of being run here. ``grammar``: the turn's constraint (``constraint.Matcher``), which
+        masks each step and waits for ``free_until`` (the end of the thinking) if given.
         """
         import mlx.core as mx
 
         if max_tokens <= 0:
             return
         sampler = self.sampler(temp, top_p, top_k=top_k, min_p=min_p,
-                               repetition_penalty=repetition_penalty, seed=seed)
+                               repetition_penalty=repetition_penalty, seed=seed,
+                               grammar=grammar, free_until=free_until)
         eos = self.eos_ids
         eager = self.eager and not stepped
         y = sampler.draw(logits)

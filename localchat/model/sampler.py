@@ -13,12 +13,21 @@ Seeded turns: each draw starts from a state of its own (the seed and the draw's 
 turn samples the same whether it runs alone or batched with other turns that draw between its
 steps (MLX's global random state cannot be swapped out, only reseeded).
 
+A constrained turn (``constraint.py``: a JSON Schema, a regex, a grammar) masks every row
+before anything else sees it, so the distribution drawn from is the constrained one, and
+advances the grammar with each kept token (``note``). A reasoning model's thinking stays free:
+where the turn starts inside it, the grammar waits for the end marker's tokens.
+
 What it is not: the defaults a turn's settings come from (``defaults.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .constraint import Matcher
 
 PENALTY_WINDOW = 20  # tokens a repetition penalty looks back at (mlx-lm's default)
 
@@ -28,7 +37,8 @@ class Sampler:
 
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
-                 banned: Sequence[int] = (), root: Callable | None = None):
+                 banned: Sequence[int] = (), root: Callable | None = None,
+                 grammar: Matcher | None = None, free_until: Sequence[int] = ()):
         from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
 
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
@@ -47,6 +57,8 @@ class Sampler:
         self._mask = None
         self.seen: list[int] = []
         self.drawn = 0
+        self.grammar = grammar  # the turn's constraint, advanced by ``note``
+        self.free_until = tuple(free_until)  # thinking: the grammar starts after these tokens
 
     @property
     def greedy(self) -> bool:
@@ -58,8 +70,37 @@ class Sampler:
         verify pass must see the same settings, and a penalty changes with each token."""
         return self.penalty == 1.0
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the grammar masks the next token (it waits while the model thinks)."""
+        return self.grammar is not None and not self.free_until
+
     def note(self, tok: int) -> None:
+        """A token was kept (drawn, or a draft token the verify pass accepted)."""
         self.seen.append(tok)
+        if self.grammar is None:
+            return
+        if not self.free_until:
+            self.grammar.consume(tok)
+        elif tuple(self.seen[-len(self.free_until):]) == self.free_until:
+            self.free_until = ()  # the thinking ended: the answer is constrained from here
+
+    def admissible(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of ``draft`` may be verified: the grammar's valid prefix,
+        or while thinking, up to the end marker (the rows after it would need its masks)."""
+        if self.grammar is None:
+            return len(draft)
+        if self.free_until:
+            return next((i for i, t in enumerate(draft) if t in self.free_until), len(draft))
+        return self.grammar.validate(draft)
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows alone next (a free draft), ends left out."""
+        if not self.constrained:
+            return []
+        forced = self.grammar.forced()
+        return forced[:next((i for i, t in enumerate(forced) if t in self.grammar.ends),
+                            len(forced))]
 
     def _reseed(self) -> None:
         import mlx.core as mx
@@ -87,6 +128,8 @@ class Sampler:
 
         self._reseed()
         scores = self.masked(logits)
+        if self.constrained:
+            scores = self.grammar.apply(scores)
         if self._penalize:
             history = mx.array(self.seen[-PENALTY_WINDOW:], dtype=mx.uint32)
             for process in self._penalize:
@@ -119,6 +162,8 @@ class Sampler:
         assert self.verifiable, "a penalised turn decodes plain"
         k = len(draft)
         logits = self.masked(logits)
+        if self.constrained:  # each row masked by the grammar's state after draft[:i]
+            logits = self.grammar.apply(logits, self.grammar.masks(draft))
         if self.greedy:
             choice = mx.argmax(logits, axis=-1).tolist()
             a = next((i for i in range(k) if draft[i] != choice[i]), k)

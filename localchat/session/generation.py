@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Step, Usage
 from ..kvcache import kinds as ck
@@ -22,6 +23,9 @@ from ..model.engine import Engine, now
 from ..model.replies import ReasoningStream, split_reasoning, thinking_markers
 from . import speculative
 from .turncache import Start
+
+if TYPE_CHECKING:  # (llguidance is imported by a constrained turn only)
+    from ..model.constraint import ConstraintSpec, Matcher
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class TurnOptions:
     #                               None: the session's setting (lookup unless told)
     call_ids: str = ""  # the reply's tool calls get ids PREFIX0, PREFIX1, … ("": none;
     #                     ``tools/turns.py``, whose result messages answer them by id)
+    constraint: ConstraintSpec | None = None  # the reply's shape (``model/constraint.py``):
+    #                     checked before the turn, a grammar beside the sampler during it
 
 
 class Cancel:
@@ -90,6 +96,14 @@ class Run:
     thinking_s: float = 0.0  # from the first token to the end of the reasoning
     stop_sequence: str | None = None  # the one of ``TurnOptions.stop`` that ended it
     lookup: speculative.LookupStats = field(default_factory=speculative.LookupStats)
+    grammar: Matcher | None = None  # a constrained turn's grammar state (``complete``)
+
+    @property
+    def complete(self) -> bool | None:
+        """A constrained reply: whether its grammar was satisfied (False: cut before, e.g. by
+        the token cap); None for a free reply."""
+        g = self.grammar
+        return None if g is None else g.finished or g.accepting or g.stopped
 
     @property
     def thinking_seconds(self) -> float:
@@ -205,8 +219,14 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     # Prompt lookup (``speculative.py``) or plain; under a scheduler, verify passes and plain
     # steps run in one model call with other turns' steps. Closed in ``finally`` so that a
     # reply cut short leaves the cache holding exactly the tokens taken, no drafts past them.
+    if options.constraint is not None:
+        run.grammar = engine.grammar(options.constraint)
+    # A reasoning model's thinking stays free: opened by the prompt, the grammar starts after
+    # its end marker (a model that opens it itself is constrained from its first token).
+    free = tuple(engine.encode(markers[1])) if opened and run.grammar is not None else ()
     steps = speculative.decode(engine, cache, logits, max_tokens, options,
-                               [*prior, *new_tokens], run.lookup, stepped, may_draft)
+                               [*prior, *new_tokens], run.lookup, stepped, may_draft,
+                               grammar=run.grammar, free_until=free)
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
@@ -347,4 +367,6 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
         bytes_written=written, miss_reason=reason,
         checkpoints=not engine.info().cut_anywhere, draft_tokens=draft,
         reasoning_tokens=run.reasoning_tokens, lookup_drafted=run.lookup.drafted,
-        lookup_accepted=run.lookup.accepted)
+        lookup_accepted=run.lookup.accepted,
+        **({"constrained": run.grammar.spec.name, "forced_tokens": run.lookup.forced}
+           if run.grammar is not None else {}))

@@ -406,7 +406,7 @@ class Session:
             pass  # the record only feeds the cache view
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
                            run.stop_sequence, tuple(run.tool_calls), run.reasoning,
-                           run.thinking_seconds)
+                           run.thinking_seconds, run.complete)
 
     def _persist(self, conv: Conversation, fed_candidates: list[int], start: Start, run: Run,
                  partial: bool) -> tuple[int, str]:
@@ -483,7 +483,7 @@ class Session:
         reason = "" if start.pos else "no shared prefix"
         usage = usage_of(self.engine, tokens, start.pos, run, t0, reason=reason)
         yield TurnFinished(run.reply, usage, run.stopped, tuple(run.generated), run.finish,
-                           run.stop_sequence, reasoning=run.reasoning)
+                           run.stop_sequence, reasoning=run.reasoning, complete=run.complete)
 
     def render_checked(self, messages: list[dict], max_tokens: int,
                        prior: list[int] | None = None, tools: list[dict] | None = None,

@@ -20,6 +20,11 @@ Rejected draft tokens leave the cache as if never fed (``Mark`` / ``rewind``):
   to the same position, and the accepted tokens are fed again (one more forward pass, which is
   why drafting backs off harder after misses on such models).
 
+A constrained turn (``model/constraint.py``) drafts for free where its grammar allows one
+continuation alone (field names, quotes, braces: ``Sampler.forced``), cuts a lookup draft at
+the first token the grammar refuses, and verifies with every row masked by the grammar's state
+there, so a greedy constrained turn is token for token its plain constrained decode.
+
 What it is not: a draft model, or anything a model split over ranks runs
 (``Engine.can_verify`` is False there and for engines that script their tokens: they decode
 plain). Turns with sampling settings other than temperature and top-p decode plain.
@@ -39,6 +44,7 @@ MAX_NGRAM = 5  # longest suffix looked up; a longer match is found through its l
 MAX_DRAFT = 16  # most tokens verified at once
 START_DRAFT = 8
 FLOOR_DRAFT = 4  # shortest draft after a partial miss: a copy that changed a word goes on
+MAX_FORCED = 32  # most forced tokens (a grammar's only choice) verified at once
 # (The policy was chosen by replaying the default model's plain replies to bench_decode's
 # copy-heavy and free-form tasks through each candidate offline, verify passes costed as
 # measured — a forward of k tokens ~ 1 + 0.08 + 0.025·k single steps: on the copy task 110
@@ -53,6 +59,7 @@ class LookupStats:
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # verify passes
+    forced: int = 0  # tokens a grammar allowed alone, verified as a draft (``constraint.py``)
 
 
 class NgramIndex:
@@ -209,7 +216,8 @@ def can_speculate(engine, options) -> bool:
 
 def decode(engine, cache: list, logits, max_tokens: int, options, context: Sequence[int],
            stats: LookupStats, stepped: bool = False,
-           may_draft: Callable[[], bool] | None = None) -> Iterator:
+           may_draft: Callable[[], bool] | None = None, grammar=None,
+           free_until: tuple[int, ...] = ()) -> Iterator:
     """``Engine.decode`` with prompt lookup where ``can_speculate`` says so, else plain.
 
     ``context``: the tokens the cache holds (drafts are looked up in them and in the reply).
@@ -217,20 +225,22 @@ def decode(engine, cache: list, logits, max_tokens: int, options, context: Seque
     then drafts while ``may_draft()`` says so: each verify pass is a ``Step`` (every row's
     logits) that the scheduler runs in the same model call as the other turns' steps; other
     steps are plain ``Step`` events. A sampled turn decodes plain there: its draws then do not
-    depend on what else runs.
+    depend on what else runs. ``grammar``, ``free_until``: a constrained turn's
+    (``Sampler``'s).
     """
+    constrained = {"grammar": grammar, "free_until": free_until} if grammar is not None else {}
     plain = not can_speculate(engine, options) or (
         stepped and (may_draft is None or options.temp != 0))
     if plain:
         return engine.decode(cache, logits, max_tokens, options.temp, options.seed,
-                             options.top_p, **options.sampling_extras(),
+                             options.top_p, **options.sampling_extras(), **constrained,
                              **({"stepped": True} if stepped else {}))
     return _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
-                          may_draft if stepped else None)
+                          may_draft if stepped else None, constrained)
 
 
 def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
-                   may_draft=None):
+                   may_draft=None, constrained=None):
     """Prompt-lookup decoding; under a scheduler (``may_draft`` given) every model call is
     yielded as a ``Step``."""
     import mlx.core as mx
@@ -239,12 +249,13 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
         return
     model, eos = engine.model, frozenset(engine.eos_ids)
     sampler = engine.sampler(options.temp, options.top_p, seed=options.seed,
-                             **options.sampling_extras())
+                             **options.sampling_extras(), **(constrained or {}))
     index = NgramIndex(context)
     stepped = may_draft is not None
     # A rejection on bounded layers costs a second forward pass: look up longer matches only.
     policy = Policy(min_ngram=MIN_NGRAM + 1 if ck.bounded(cache) else MIN_NGRAM)
     y = int(sampler.draw(logits).item())
+    sampler.note(y)  # (a constrained turn's grammar advances with every kept token)
     # Where model calls compute as they are made (``Engine.eager``), a verify pass would hold
     # back the token before it: that token goes out first.
     eager = engine.eager and not stepped
@@ -261,9 +272,15 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
                 engine.feed(cache, y)
             return
         index.append(y)
-        # Drafts stay before the last allowed token, which is fed only when read on.
-        want = min(policy.want(), max_tokens - 2 - n) if not stepped or may_draft() else 0
-        draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
+        # Drafts stay before the last allowed token, which is fed only when read on. What a
+        # grammar allows alone next (field names, quotes) is the draft where there is some: no
+        # model call has to propose it; else prompt lookup, cut where the grammar refuses.
+        room = max_tokens - 2 - n if not stepped or may_draft() else 0
+        draft = forced = sampler.forced()[:min(MAX_FORCED, room)] if room > 0 else []
+        if not forced:
+            want = min(policy.want(), room) if room > 0 else 0
+            draft = index.draft(want, policy.min_ngram, eos) if want > 0 else []
+            draft = draft[:sampler.admissible(draft)]
         if eager:
             yield from engine.hand_out(y, cache)
         if not draft:  # a plain step, queued before ``y`` is yielded as Engine.decode does
@@ -279,6 +296,7 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
                 yield y
             n += 1
             y = int(nxt.item())
+            sampler.note(y)
             continue
         if stepped:  # the verify pass as rows of the scheduler's next model call
             at = mark(cache)
@@ -287,10 +305,16 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
             ver = settle(model, cache, at, y, draft, step.logits, sampler)
         else:
             ver = speculative_step(model, cache, y, draft, sampler)
-        stats.drafted += len(draft)
-        stats.accepted += ver.accepted
+        if forced:
+            stats.forced += ver.accepted
+        else:
+            stats.drafted += len(draft)
+            stats.accepted += ver.accepted
+            policy.update(len(draft), ver.accepted)
         stats.steps += 1
-        policy.update(len(draft), ver.accepted)
+        for tok in draft[:ver.accepted]:
+            sampler.note(tok)
+        sampler.note(ver.next)
         out = [y, *draft[:ver.accepted]]
         for j, tok in enumerate(out):
             if j == 0 and eager:  # out already

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localchat.endtokens import end_tokens, parser_markers
+from localchat.model.endtokens import end_tokens, parser_markers
 from localchat.model.constraint import (
     MAX_DEPTH,
     MAX_SOURCE_BYTES,
@@ -35,7 +35,7 @@ from localchat.model.constraint import (
     parse_spec,
     tokenizer_for,
 )
-from localchat.tokenizer import load_tokenizer
+from localchat.model.tokenizer import load_tokenizer
 
 CLOSERS = ('"', "}", "]", ",")
 
@@ -138,7 +138,7 @@ def tiny(tiny_model) -> Vocab:
 @pytest.fixture(scope="module")
 def real(tmp_path_factory) -> Vocab:
     """The default model's tokenizer (converted once into the test run's data folder)."""
-    from localchat.models import resolve
+    from localchat.model.resolve import resolve
 
     return Vocab(resolve(None).path)
 
