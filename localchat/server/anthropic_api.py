@@ -16,6 +16,10 @@ here is signed); streamed, every block opens when its first piece comes, indexes
 from 0 (``Blocks``). An assistant message's ``thinking`` blocks are stored as its reasoning
 (left out of the match with the stored conversation); ``redacted_thinking`` blocks are
 accepted and dropped.
+
+Structured output: ``output_config.format`` (or the beta's ``output_format``) ``{"type":
+"json_schema", "schema": {...}}`` masks the reply to the schema (``structured.py``); one cut
+by ``max_tokens`` before it was complete ends with ``stop_reason: "max_tokens"``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import json
 import uuid
 
 from ..events import Usage
+from . import structured
 from .chat import (
     MAX_MESSAGES,
     ApiError,
@@ -43,11 +48,12 @@ from .chat import (
 
 # Accepted and not used (each type-checked): what the API's clients send about the service.
 IGNORED = {"metadata": dict, "service_tier": str, "cache_control": dict, "container": (str, dict),
-           "diagnostics": dict, "inference_geo": str, "output_config": dict, "speed": str,
+           "diagnostics": dict, "inference_geo": str, "speed": str,
            "user_profile_id": str, "workspace_id": str}
+SHAPES = {"output_config", "output_format"}  # structured output (``structured.py``)
 KNOWN = {"model", "messages", "system", "max_tokens", "temperature", "top_p", "top_k",
-         "stop_sequences", "stream", "tools", "tool_choice", "thinking", *IGNORED}
-COUNT_KNOWN = {"model", "messages", "system", "tools", "tool_choice", "thinking"}
+         "stop_sequences", "stream", "tools", "tool_choice", "thinking", *IGNORED, *SHAPES}
+COUNT_KNOWN = {"model", "messages", "system", "tools", "tool_choice", "thinking", *SHAPES}
 
 
 def parse(body: object, *, counting: bool = False) -> ChatRequest:
@@ -66,6 +72,7 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
     if isinstance(choice, dict) and choice.get("type") == "none":
         tools = ()
     thinking = _thinking(body.get("thinking"))
+    constraint = structured.anthropic_format(body, tools)
     for key, kind in IGNORED.items():
         if body.get(key) is not None and not isinstance(body[key], kind):
             raise bad(f"{key}: wrong type ({kind_of(body[key])})", key)
@@ -82,7 +89,7 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         top_p=number(body, "top_p", low=0.0, high=1.0, default=None, low_open=True),
         top_k=integer(body, "top_k", low=1),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        stream=boolean(body, "stream"), tools=tools, thinking=thinking)
+        stream=boolean(body, "stream"), tools=tools, thinking=thinking, constraint=constraint)
 
 
 THINKING_TYPES = {"enabled": True, "disabled": False, "adaptive": None}

@@ -13,7 +13,8 @@ thread (``worker.py``); streaming answers are server-sent events. A client that 
 mid-stream gets its generation stopped at the next token. A reasoning model's thinking
 (``ReasoningChunk`` events, then ``TurnFinished.reasoning``) is answered apart from the reply,
 in each API's own field or block; the request's switch (``ChatRequest.thinking``) goes to the
-turn, which renders the template with it.
+turn, which renders the template with it. A reply's shape (``ChatRequest.constraint``, checked
+by ``structured.py`` before the request is queued) goes to the turn as its constraint.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def make_app(service: Service) -> Starlette:
     async def count_tokens(request: Request) -> Response:
         try:
             _authorize(service, request)
-            req = anthropic_api.parse(await _json(request), counting=True)
+            req = await run_in_threadpool(anthropic_api.parse, await _json(request),
+                                          counting=True)
             service.check_model(req.model)
             # On the model thread (the session's): aligned as the turn would render it.
             n = await run_in_threadpool(service.worker.call, stateless.count, req.messages,
@@ -150,7 +152,9 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
     spec = openai_api if api == "openai" else anthropic_api
     try:
         _authorize(service, request)
-        req = spec.parse(await _json(request))
+        # Off the event loop: a large schema takes up to ~0.5 s to check (``structured.py``),
+        # and the other clients' streams go on meanwhile.
+        req = await run_in_threadpool(spec.parse, await _json(request))
         service.check_model(req.model)
     except ApiError as err:
         service.log(f"localchat serve: {api} {err.status} {err.message}")
@@ -210,8 +214,8 @@ def _turn(session, req: ChatRequest, cancel, overflow: str = "stop"):
         max_tokens=req.max_tokens, temp=req.temperature, top_p=req.top_p, top_k=req.top_k,
         min_p=req.min_p, repetition_penalty=req.repetition_penalty)
     options = TurnOptions(**fields, seed=req.seed, stop=req.stop, tools=req.tools,
-                          context_overflow=overflow,
-                          thinking=req.thinking)
+                          context_overflow=overflow, thinking=req.thinking,
+                          constraint=req.constraint)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
         # Every event goes to the scheduler: prefill chunks and decode steps are where it
@@ -237,7 +241,12 @@ async def _collect(events: asyncio.Queue) -> tuple[str, TurnFinished]:
 
 
 def _finish(finished: TurnFinished) -> str:
-    """stop, length, stop_sequence or tool_calls (a reply cut by the client counts as stop)."""
+    """stop, length, stop_sequence or tool_calls (a reply cut by the client counts as stop).
+    A constrained reply whose shape was complete when its cap came is whole: stop (so that a
+    client that parses it, as ``openai``'s ``parse`` does, takes it); its "length" means a
+    shape left incomplete."""
+    if finished.finish == "length" and finished.complete:
+        return "stop"
     return finished.finish if finished.finish in ("length", "stop_sequence", "tool_calls") \
         else "stop"
 
@@ -407,7 +416,8 @@ def _log(service: Service, req: ChatRequest, finished: TurnFinished | None, t0: 
     service.log(f"localchat serve: {req.api} {'stream' if req.stream else 'json'} "
                 f"cached {u.cached_tokens} / prefilled {u.prefilled_tokens} · gen "
                 f"{u.completion_tokens} · TTFT {u.ttft_s:.2f}s · decode {u.decode_tps:.1f} "
-                f"tok/s" + (f" · {u.miss_reason}" if u.miss_reason else ""))
+                f"tok/s" + (f" · {u.constrained} ({u.forced_tokens} forced)" if u.constrained
+                            else "") + (f" · {u.miss_reason}" if u.miss_reason else ""))
 
 
 def new_key() -> str:

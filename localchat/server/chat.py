@@ -6,7 +6,8 @@ API names its own way. Limits keep one request from taking the server: ``MAX_BOD
 ``MAX_MESSAGES`` messages. Nothing in a request names a file. A reasoning model's switch
 arrives as ``ChatRequest.thinking`` (each API's own fields: ``reasoning_effort`` and
 ``chat_template_kwargs``, or ``thinking``), and an earlier reply's reasoning as its message's
-``reasoning_content``.
+``reasoning_content``. A reply's shape (OpenAI's ``response_format``, Anthropic's
+``output_config.format``) arrives as ``ChatRequest.constraint``, checked (``structured.py``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..model.constraint import ConstraintSpec
 
 MAX_BODY = 8 * 2**20  # bytes of one request body
 MAX_MESSAGES = 4096
@@ -58,6 +63,7 @@ class ChatRequest:
     include_usage: bool = False  # OpenAI's stream_options.include_usage
     tools: tuple[dict, ...] = ()  # function tools, in OpenAI's shape (what templates take)
     thinking: bool | None = None  # a reasoning model thinks first (None: its template's default)
+    constraint: ConstraintSpec | None = None  # the reply's shape (``structured.py``; None: free)
 
 
 # -- field checks (each raises ApiError 400 naming the field) -----------------------------

@@ -13,6 +13,10 @@ template's switch; the reply's thinking comes as ``message.reasoning_content`` (
 ``delta.reasoning_content``), apart from ``content``. An assistant message may carry its
 ``reasoning_content`` (or ``reasoning``) back: stored with it, and left out of the match with
 the stored conversation, so a client that drops it still continues that conversation.
+
+Structured output: ``response_format`` ``json_object`` or ``json_schema`` (``structured.py``);
+the reply is masked to it token by token, and one cut by its cap before the shape was complete
+ends with ``finish_reason: "length"``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import uuid
 
 from ..events import Usage
+from . import structured
 from .chat import (
     MAX_MESSAGES,
     ApiError,
@@ -62,15 +67,13 @@ def parse(body: object) -> ChatRequest:
             raise bad(f"{key} is not supported (only 0)", key)
     if boolean(body, "logprobs"):
         raise bad("logprobs are not supported", "logprobs")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad("response_format is not supported (only {\"type\": \"text\"})",
-                  "response_format")
     tools = _tools(body.get("tools"))
     choice = body.get("tool_choice")
     if choice not in (None, "none", "auto"):
         raise bad("tool_choice must be \"auto\" or \"none\" (the model decides)",
                   "tool_choice")
+    tools = () if choice == "none" else tools
+    constraint = structured.openai_format(body.get("response_format"), tools)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad(f"stream_options must be an object, not {kind_of(options)}",
@@ -98,7 +101,7 @@ def parse(body: object) -> ChatRequest:
                                   default=None, low_open=True),
         seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
         stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage,
-        tools=() if choice == "none" else tools, thinking=_thinking(body))
+        tools=tools, thinking=_thinking(body), constraint=constraint)
 
 
 def _thinking(body: dict) -> bool | None:
