@@ -24,7 +24,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from localchat.model.endtokens import end_tokens, parser_markers
 from localchat.model.constraint import (
     MAX_DEPTH,
     MAX_SOURCE_BYTES,
@@ -35,6 +34,7 @@ from localchat.model.constraint import (
     parse_spec,
     tokenizer_for,
 )
+from localchat.model.endtokens import end_tokens, parser_markers
 from localchat.model.tokenizer import load_tokenizer
 
 CLOSERS = ('"', "}", "]", ",")
