@@ -306,7 +306,7 @@ class Engine:
     def sampler(self, temp: float = 0.0, top_p: float = 1.0, **settings):
         """A turn's ``Sampler`` (``sampler.py``) with this model's banned control tokens and,
         split over ranks, rank 0's choice for every rank. ``settings``: top_k, min_p,
-        repetition_penalty, seed, grammar, free_until."""
+        repetition_penalty, seed, grammar, free_until, opens."""
         from .sampler import Sampler
 
         return Sampler(temp, top_p, banned=sorted(self.hidden_ids - self.eos_ids),
@@ -443,8 +443,7 @@ class Engine:
     def decode(
         self, cache: list, logits, max_tokens: int, temp: float = 0.0, seed: int | None = None,
         top_p: float = 1.0, *, top_k: int = 0, min_p: float = 0.0,
-        repetition_penalty: float = 1.0, stepped: bool = False, grammar=None,
-        free_until: tuple[int, ...] = (),
+        repetition_penalty: float = 1.0, stepped: bool = False, grammar=None, **gate,
     ) -> Iterator[int | Step]:
         """Yield up to ``max_tokens`` token ids, sampling from ``logits`` onwards.
 
@@ -456,7 +455,7 @@ class Engine:
         as it closes this generator). ``stepped``: each model step is yielded as a ``Step``
         for a scheduler to run together with other turns' (``session/scheduler.py``) instead
         of being run here. ``grammar``: the turn's constraint (``constraint.Matcher``), which
-        masks each step and waits for ``free_until`` (the end of the thinking) if given.
+        masks each step; ``gate``: where a reasoning model's thinking frees it (``Sampler``).
         """
         import mlx.core as mx
 
@@ -464,7 +463,7 @@ class Engine:
             return
         sampler = self.sampler(temp, top_p, top_k=top_k, min_p=min_p,
                                repetition_penalty=repetition_penalty, seed=seed,
-                               grammar=grammar, free_until=free_until)
+                               grammar=grammar, **gate)
         eos = self.eos_ids
         eager = self.eager and not stepped
         y = sampler.draw(logits)

@@ -38,7 +38,8 @@ class Sampler:
     def __init__(self, temp: float = 0.0, top_p: float = 1.0, *, top_k: int = 0,
                  min_p: float = 0.0, repetition_penalty: float = 1.0, seed: int | None = None,
                  banned: Sequence[int] = (), root: Callable | None = None,
-                 grammar: Matcher | None = None, free_until: Sequence[int] = ()):
+                 grammar: Matcher | None = None, free_until: Sequence[int] = (),
+                 opens: int | None = None):
         from mlx_lm.sample_utils import apply_top_p, make_logits_processors, make_sampler
 
         self.temp, self.top_p, self.top_k, self.min_p = temp, top_p, top_k, min_p
@@ -58,7 +59,9 @@ class Sampler:
         self.seen: list[int] = []
         self.drawn = 0
         self.grammar = grammar  # the turn's constraint, advanced by ``note``
-        self.free_until = tuple(free_until)  # thinking: the grammar starts after these tokens
+        self.free_until = tuple(free_until)  # the thinking's end marker: the grammar after it
+        self.opens = opens  # the thinking's start marker, which the first token may be
+        self.thinking = bool(self.free_until) and opens is None  # inside the thinking now
 
     @property
     def greedy(self) -> bool:
@@ -73,24 +76,26 @@ class Sampler:
     @property
     def constrained(self) -> bool:
         """Whether the grammar masks the next token (it waits while the model thinks)."""
-        return self.grammar is not None and not self.free_until
+        return self.grammar is not None and not self.thinking
 
     def note(self, tok: int) -> None:
         """A token was kept (drawn, or a draft token the verify pass accepted)."""
         self.seen.append(tok)
         if self.grammar is None:
             return
-        if not self.free_until:
+        if self.thinking:  # the answer is constrained once the end marker is through
+            self.thinking = tuple(self.seen[-len(self.free_until):]) != self.free_until
+        elif self.opens is not None and len(self.seen) == 1 and tok == self.opens:
+            self.thinking = True  # the model opened its thinking: free until its end marker
+        else:
             self.grammar.consume(tok)
-        elif tuple(self.seen[-len(self.free_until):]) == self.free_until:
-            self.free_until = ()  # the thinking ended: the answer is constrained from here
 
     def admissible(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` may be verified: the grammar's valid prefix,
         or while thinking, up to the end marker (the rows after it would need its masks)."""
         if self.grammar is None:
             return len(draft)
-        if self.free_until:
+        if self.thinking:
             return next((i for i, t in enumerate(draft) if t in self.free_until), len(draft))
         return self.grammar.validate(draft)
 
@@ -129,7 +134,10 @@ class Sampler:
         self._reseed()
         scores = self.masked(logits)
         if self.constrained:
-            scores = self.grammar.apply(scores)
+            mask = self.grammar.allowed_mask()
+            if self.opens is not None and not self.seen:  # (the first token may open it)
+                mask.view("uint32")[self.opens // 32] |= 1 << (self.opens % 32)
+            scores = self.grammar.apply(scores, mask)
         if self._penalize:
             history = mx.array(self.seen[-PENALTY_WINDOW:], dtype=mx.uint32)
             for process in self._penalize:

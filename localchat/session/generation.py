@@ -221,12 +221,18 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     # reply cut short leaves the cache holding exactly the tokens taken, no drafts past them.
     if options.constraint is not None:
         run.grammar = engine.grammar(options.constraint)
-    # A reasoning model's thinking stays free: opened by the prompt, the grammar starts after
-    # its end marker (a model that opens it itself is constrained from its first token).
-    free = tuple(engine.encode(markers[1])) if opened and run.grammar is not None else ()
+    # A reasoning model's thinking stays free, the grammar starting after its end marker:
+    # opened by the prompt, or by the model's first token (a start marker of one token).
+    gate = {}
+    if markers and run.grammar is not None:
+        opening, closing = engine.encode(markers[0]), tuple(engine.encode(markers[1]))
+        if opened:
+            gate = {"free_until": closing}
+        elif len(opening) == 1:
+            gate = {"free_until": closing, "opens": opening[0]}
     steps = speculative.decode(engine, cache, logits, max_tokens, options,
                                [*prior, *new_tokens], run.lookup, stepped, may_draft,
-                               grammar=run.grammar, free_until=free)
+                               grammar=run.grammar, **gate)
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on

@@ -217,7 +217,7 @@ def can_speculate(engine, options) -> bool:
 def decode(engine, cache: list, logits, max_tokens: int, options, context: Sequence[int],
            stats: LookupStats, stepped: bool = False,
            may_draft: Callable[[], bool] | None = None, grammar=None,
-           free_until: tuple[int, ...] = ()) -> Iterator:
+           **gate) -> Iterator:
     """``Engine.decode`` with prompt lookup where ``can_speculate`` says so, else plain.
 
     ``context``: the tokens the cache holds (drafts are looked up in them and in the reply).
@@ -225,10 +225,10 @@ def decode(engine, cache: list, logits, max_tokens: int, options, context: Seque
     then drafts while ``may_draft()`` says so: each verify pass is a ``Step`` (every row's
     logits) that the scheduler runs in the same model call as the other turns' steps; other
     steps are plain ``Step`` events. A sampled turn decodes plain there: its draws then do not
-    depend on what else runs. ``grammar``, ``free_until``: a constrained turn's
-    (``Sampler``'s).
+    depend on what else runs. ``grammar`` and ``gate`` (``free_until``, ``opens``): a
+    constrained turn's (``Sampler``'s).
     """
-    constrained = {"grammar": grammar, "free_until": free_until} if grammar is not None else {}
+    constrained = {"grammar": grammar, **gate} if grammar is not None else {}
     plain = not can_speculate(engine, options) or (
         stepped and (may_draft is None or options.temp != 0))
     if plain:

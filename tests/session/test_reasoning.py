@@ -345,3 +345,28 @@ async def test_the_app_folds_the_thinking_above_the_answer_and_switches_it(home,
         again = app.query(ThinkingBlock)
         assert len(again) == 1 and again.first().collapsed
         assert again.first().title == block.title  # what it took is kept with the reply
+
+
+@pytest.mark.parametrize("template", ["closed", "opens"])
+def test_a_constrained_reply_thinks_freely_then_answers_in_its_shape(home, store, built,
+                                                                     forced, template):
+    """The thinking is free text (opened by the prompt, or by the model's first token); the
+    grammar holds the answer after ``</think>``; the next turn resumes as usual. Without the
+    gate the constraint would refuse ``<think>`` as the first token (control below)."""
+    import re
+
+    from localchat.model.constraint import parse_spec
+
+    engine = built("qwen3", template)
+    forced(engine, opens=template == "opens")
+    shape = parse_spec("regex", "(yes|no|maybe)( [a-z]{2,6}){0,3}")
+    conv = store.create("c", engine.ref.name)
+    got, _ = turn(store, engine, conv, PROMPTS[0], max_tokens=40, constraint=shape)
+    assert got.reasoning and got.usage.reasoning_tokens == THINK_STEPS + 1
+    assert got.complete and re.fullmatch("(yes|no|maybe)( [a-z]{2,6}){0,3}", got.reply)
+    again, _ = turn(store, engine, conv, PROMPTS[1], max_tokens=8)
+    assert again.usage.cached_tokens > 0 and again.complete is None
+    if template == "closed":  # control: the grammar alone refuses <think> at the first token
+        vocab = engine.tokenizer.get_vocab()
+        m = engine.grammar(shape)
+        assert m.validate([vocab["<think>"]]) == 0
