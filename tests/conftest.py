@@ -8,6 +8,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# Test modules whose helpers other folders' tests import (the app's Pilot helpers in test_tui,
+# the MCP fixtures in test_tools, the request helpers in test_server_requests): importable
+# from any folder, also when a test file runs alone.
+for _folder in ("tui", "tools", "server"):
+    sys.path.insert(1, str(Path(__file__).parent / _folder))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Nothing a test does touches the user's own data folder: a scratch one for the whole run
 # (the ``home`` fixture gives each test its own on top).

@@ -312,13 +312,6 @@ class Engine:
         return Sampler(temp, top_p, banned=sorted(self.hidden_ids - self.eos_ids),
                        root=self.group.from_root, **settings)
 
-    def grammar(self, spec):
-        """A turn's grammar state (``constraint.Matcher``) for ``spec`` over this model's
-        tokenizer and end tokens (llguidance's view of the vocabulary is built once)."""
-        from .constraint import Matcher, tokenizer_for
-
-        return Matcher(spec, tokenizer_for(self.tokenizer, self.eos_ids))
-
     def sampling(self):
         """The sampling defaults in force for the app and ``serve`` (``defaults.py``)."""
         if self._sampling is None:

@@ -219,8 +219,10 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     # Prompt lookup (``speculative.py``) or plain; under a scheduler, verify passes and plain
     # steps run in one model call with other turns' steps. Closed in ``finally`` so that a
     # reply cut short leaves the cache holding exactly the tokens taken, no drafts past them.
-    if options.constraint is not None:
-        run.grammar = engine.grammar(options.constraint)
+    if options.constraint is not None:  # (llguidance's view of the vocabulary: built once)
+        from ..model.constraint import Matcher, tokenizer_for
+
+        run.grammar = Matcher(options.constraint, tokenizer_for(engine.tokenizer, engine.eos_ids))
     # A reasoning model's thinking stays free, the grammar starting after its end marker:
     # opened by the prompt, or by the model's first token (a start marker of one token).
     gate = {}

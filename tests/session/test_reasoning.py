@@ -355,7 +355,7 @@ def test_a_constrained_reply_thinks_freely_then_answers_in_its_shape(home, store
     gate the constraint would refuse ``<think>`` as the first token (control below)."""
     import re
 
-    from localchat.model.constraint import parse_spec
+    from localchat.model.constraint import Matcher, parse_spec, tokenizer_for
 
     engine = built("qwen3", template)
     forced(engine, opens=template == "opens")
@@ -368,5 +368,5 @@ def test_a_constrained_reply_thinks_freely_then_answers_in_its_shape(home, store
     assert again.usage.cached_tokens > 0 and again.complete is None
     if template == "closed":  # control: the grammar alone refuses <think> at the first token
         vocab = engine.tokenizer.get_vocab()
-        m = engine.grammar(shape)
+        m = Matcher(shape, tokenizer_for(engine.tokenizer, engine.eos_ids))
         assert m.validate([vocab["<think>"]]) == 0
