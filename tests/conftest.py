@@ -101,6 +101,24 @@ def quantized_model(tiny_model, tmp_path):
     return out
 
 
+@pytest.fixture(scope="module")
+def family_engine(tmp_path_factory):
+    """``family_engine(name)``: the loaded tiny model of that family (``families.py``), built
+    once per test module."""
+    from families import build_family
+
+    from localchat.model.engine import Engine
+
+    made: dict[str, Engine] = {}
+
+    def get(name: str) -> Engine:
+        if name not in made:
+            folder = build_family(name, tmp_path_factory.mktemp(name) / name)
+            made[name] = Engine.load(str(folder))
+        return made[name]
+    return get
+
+
 # -- ``localchat serve`` in a subprocess (tests/serving.py) ----------------------------------
 
 

@@ -14,11 +14,10 @@ import re
 
 import jsonschema
 import pytest
-from families import FAMILIES, build_family
+from families import FAMILIES
 
 from localchat import paths
 from localchat.model.constraint import parse_spec
-from localchat.model.engine import Engine
 from localchat.model.sampler import Sampler
 from localchat.session.session import Session, TurnOptions
 
@@ -39,15 +38,8 @@ PROMPTS = ["Hello there, tell me about Seoul.", "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    made: dict[str, Engine] = {}
-
-    def get(name: str) -> Engine:
-        if name not in made:
-            made[name] = Engine.load(str(build_family(name, tmp_path_factory.mktemp(name)
-                                                      / name)))
-        return made[name]
-    return get
+def built(family_engine):
+    return family_engine
 
 
 def fresh(store, engine) -> Session:

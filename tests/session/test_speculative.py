@@ -6,7 +6,7 @@ token changed) that makes long drafts get accepted, cut and rewound on every cac
 """
 
 import pytest
-from families import FAMILIES, build_family
+from families import FAMILIES
 
 from localchat import paths
 from localchat.kvcache import kinds as ck
@@ -23,15 +23,8 @@ FREE = "The capital of France is Paris. What is the capital of Korea?"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    made: dict[str, Engine] = {}
-
-    def get(name: str) -> Engine:
-        if name not in made:
-            made[name] = Engine.load(str(build_family(name, tmp_path_factory.mktemp(name)
-                                                      / name)))
-        return made[name]
-    return get
+def built(family_engine):
+    return family_engine
 
 
 def oracle(future: list[int], context: int, wrong_every: int = 3):
