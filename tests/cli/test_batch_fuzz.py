@@ -236,10 +236,10 @@ class StubSession:
         yield TurnFinished(prompt, USAGE, False)
 
 
-def stub_group(session, chats, pool, max_tokens, temp, thinking=None):
+def stub_group(session, chats, pool, max_tokens, temp, thinking=None, constraints=None):
     """``parallel.complete_group`` without a model: the same answers as StubSession."""
     return [ContextFull("stub holds 64") if c[-1]["content"] == TOO_LONG
-            else (c[-1]["content"], "", USAGE) for c in chats]
+            else (c[-1]["content"], "", USAGE, None) for c in chats]
 
 
 def run_cli(args: list[str], parallel: int = 1) -> tuple[int, str]:
@@ -382,7 +382,7 @@ def test_what_each_odd_line_becomes(tmp_path):
         ("a", 'id "a" is already the id of line 7'),
         (3, "max_tokens must be a positive integer, not true"),
         (4, 'unknown key "temperature" (a line takes id, prompt, messages, conversation, '
-            'system, max_tokens)'),
+            'system, max_tokens, schema, format, regex, grammar)'),
         (5, "invalid JSON (NaN is not JSON)"),
         (6, "invalid JSON (Expecting ',' delimiter at column 24)"),
         (None, "invalid JSON (Expecting ',' delimiter at column 26)"),
