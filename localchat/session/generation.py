@@ -141,11 +141,6 @@ def looping(ids: list[int], period: int = LOOP_PERIOD) -> int:
         if all(tail[j] == tail[j - p] for j in range(p, span)):  # (stops at the first miss)
             return p
     return 0
-    tail = ids[-span:]
-    for p in range(1, period + 1):
-        if all(tail[j] == tail[j - p] for j in range(p, span)):  # (stops at the first miss)
-            return p
-    return 0
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
