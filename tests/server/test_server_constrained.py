@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 from typing import Literal
 
-import jsonschema
 import openai
 import pydantic
 import pytest
@@ -25,6 +24,7 @@ from families import build_family
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving import Server, post, streamed_reply
+from shapes import valid
 from test_server_requests import JSON, paths_of, replaced
 
 from localchat.server import anthropic_api, openai_api
@@ -83,14 +83,6 @@ def live(model, tmp_path_factory):
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def valid(schema: dict, text: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(text), schema)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 def conversations(s: Server) -> int:

@@ -9,12 +9,11 @@ with it every complete reply validates, which makes them a good fuzz of the mask
 
 from __future__ import annotations
 
-import json
 import re
 
-import jsonschema
 import pytest
 from families import FAMILIES
+from shapes import valid
 
 from localchat import paths
 from localchat.model.constraint import parse_spec
@@ -50,14 +49,6 @@ def fresh(store, engine) -> Session:
 def run(session, conv, prompt, **kw):
     events = list(session.turn(conv, prompt, TurnOptions(**{"max_tokens": 64, **kw})))
     return events[-1]
-
-
-def valid(schema: dict, reply: str) -> bool:
-    try:
-        jsonschema.validate(json.loads(reply), schema)
-    except (ValueError, jsonschema.ValidationError):
-        return False
-    return True
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
