@@ -19,6 +19,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _HOME = tempfile.mkdtemp(prefix="localchat-tests-")
 atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["LOCALCHAT_HOME"] = _HOME
+# No resident model process unless a test starts one on purpose (``tests/resident``): each
+# ``ask`` loads its model in its own process, as the tests of its behaviour expect.
+os.environ["LOCALCHAT_KEEP_ALIVE"] = "0"
 
 from localchat.cpu import backend  # noqa: E402
 

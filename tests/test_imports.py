@@ -77,6 +77,7 @@ LAYERS = {
                 "localchat.cacheview.*", "localchat.tools", "localchat.tools.*"],
     "front ends": ["localchat.__main__", "localchat.cli", "localchat.cli.*", "localchat.tui",
                    "localchat.tui.*", "localchat.server", "localchat.server.*",
+                   "localchat.resident", "localchat.resident.*",
                    "localchat.cluster.launch", "localchat.cluster.follower"],
 }
 

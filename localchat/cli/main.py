@@ -22,6 +22,7 @@ from .. import crashlog, paths
 from ..errors import BadInput, LocalchatError
 from ..fmt import StatusLine, say, visible
 from ..model.resolve import DEFAULT_MODEL
+from ..resident.place import keep_alive
 from ..server.run import cmd_serve
 from ..session.window import POLICIES, SERVE_POLICIES
 from .data import (
@@ -37,13 +38,16 @@ from .data import (
     open_store,
 )
 from .inspection import cmd_inspect
+from .residents import cmd_ps, cmd_stop
 from .start import (
     add_cluster_flags,
     add_constraint_flags,
+    add_keep_alive_flag,
     add_kv_flags,
     add_speculate_flag,
     add_thinking_flag,
     constraint_of,
+    constraint_request,
     session_for,
     start_cluster,
     thinking_setting,
@@ -123,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--show-thinking", action="store_true",
                    help="print a reasoning model's thinking before its answer")
     add_kv_flags(a)
+    add_keep_alive_flag(a)
     add_cluster_flags(a)
     edit = a.add_mutually_exclusive_group()
     edit.add_argument("--regenerate", action="store_true",
@@ -181,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     ca.add_argument("--to", metavar="SIZE", default=None,
                     help="prune down to SIZE (e.g. 2G; default: LOCALCHAT_CACHE_LIMIT)")
     add("models", cmd_models)
+    ps = add("ps", cmd_ps)
+    ps.add_argument("--json", action="store_true", help="one JSON object per process")
+    st = add("stop", cmd_stop)
+    st.add_argument("model", nargs="?", metavar="MODEL", help="only this model's")
     mc = add("mcp", cmd_mcp)
     mc.add_argument("action", choices=["list"], help="list: start each server, show its tools")
     mc.add_argument("--mcp", metavar="FILE", help="the config (default: $LOCALCHAT_HOME/mcp.json)")
@@ -276,15 +285,25 @@ def cmd_ask(args) -> int:
     prompt = None if args.regenerate else read_prompt(args.prompt)
     if args.max_tokens < 1:
         raise BadInput("--max-tokens must be at least 1")
-    constraint = constraint_of(args)  # (checked before any model work)
-    if constraint is not None and tools_wanted(args):
+    wanted = constraint_request(args)  # (files read; checked before any model work)
+    if wanted is not None and tools_wanted(args):
         raise BadInput("--format/--regex/--grammar go without --mcp/--allow-tools")
+    keep = keep_alive(args.keep_alive)
     store = open_store()
     known = store.find(args.conversation) if args.conversation else None
     store.close()
     if (args.regenerate or args.edit_last) and known is None:
         raise BadInput(f"no conversation named {args.conversation!r} (see `localchat list`)")
-    session = session_for(args.model or (known.model if known else None), args)
+    model = args.model or (known.model if known else None)
+    calls: list[dict] = []  # the tool calls of the turn (--mcp/--allow-tools)
+    turn = _resident_turn(args, prompt, model, wanted, keep)
+    if turn is not None:  # the resident model answers: its events, printed as ours
+        name, events, cancel = turn.conversation, turn.events(), turn
+        if not args.conversation:
+            print(f"conversation: {name}", file=sys.stderr)
+        return _report_turn(args, name, events, cancel, calls)
+    constraint = constraint_of(args) if wanted is not None else None
+    session = session_for(model, args)
     from ..session.session import Cancel, TurnOptions
 
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
@@ -297,7 +316,6 @@ def cmd_ask(args) -> int:
                           no_cache=args.no_cache, speculate=args.speculate,
                           constraint=constraint)
     cancel = Cancel()
-    calls: list[dict] = []  # the tool calls of the turn (--mcp/--allow-tools)
     if tools_wanted(args):
         if args.regenerate or args.edit_last:
             raise BadInput("--mcp/--allow-tools go with a new message, not --regenerate or "
@@ -309,9 +327,34 @@ def cmd_ask(args) -> int:
         events = session.edit_last(conv, prompt, options, cancel)
     else:
         events = session.turn(conv, prompt, options, cancel)
+    return _report_turn(args, conv.name, events, cancel, calls)
+
+
+def _resident_turn(args, prompt, model, wanted, keep: float):
+    """The turn as the resident model process answers it (``resident/``), or None: run here
+    (no resident for tools, which run the user's MCP servers from this process, nor for a
+    split run; none with a keep-alive of 0)."""
+    if keep <= 0 or tools_wanted(args) or args.hosts or args.hostfile or os.name != "posix":
+        return None
+    from ..resident.client import open_turn
+    from ..resident.place import model_key
+    from ..resident.wire import Ask
+
+    ask = Ask(model=model_key(model), conversation=args.conversation, prompt=prompt,
+              system=args.system, max_tokens=args.max_tokens, temp=args.temp, seed=args.seed,
+              no_cache=args.no_cache, speculate=args.speculate, kv_bits=args.kv_bits,
+              kv_group=args.kv_group_size, thinking=args.thinking,
+              context_overflow=args.context_overflow, regenerate=args.regenerate,
+              edit_last=args.edit_last, constraint=wanted)
+    return open_turn(ask, keep)
+
+
+def _report_turn(args, name: str, events, cancel, calls: list[dict]) -> int:
+    """Print a turn's events and its end as ``ask`` does (the same for a turn run here and one
+    a resident ran); the exit status."""
     finished = _print_turn(events, args.json, cancel, args.show_thinking)
     if args.json:
-        out = {"conversation": conv.name, "reply": finished.reply,
+        out = {"conversation": name, "reply": finished.reply,
                **({"reasoning": finished.reasoning} if finished.reasoning else {}),
                "usage": finished.usage.public(), **({"tool_calls": calls} if calls else {}),
                **({"complete": finished.complete} if finished.complete is not None else {})}

@@ -34,6 +34,13 @@ def add_thinking_flag(p: argparse.ArgumentParser) -> None:
                         "remembered by the conversation)")
 
 
+def add_keep_alive_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keep-alive", metavar="DURATION", default=None,
+                   help="keep the model loaded in a resident process this long after the "
+                   "turn, for the next command (e.g. 90s, 5m, 1h; 0: none, the model loads "
+                   "here; default LOCALCHAT_KEEP_ALIVE or 5m)")
+
+
 def add_constraint_flags(p: argparse.ArgumentParser, what: str = "the reply") -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--format", metavar="json|SCHEMA", default=None,
@@ -48,20 +55,29 @@ def add_constraint_flags(p: argparse.ArgumentParser, what: str = "the reply") ->
 def constraint_of(args):
     """The ``ConstraintSpec`` the flags ask for (None: a free reply), checked before any model
     work: a file that cannot be read or a bad schema, regex or grammar is one line."""
-    fmt, regex, grammar = (getattr(args, k, None) for k in ("format", "regex", "grammar"))
-    if fmt is None and regex is None and grammar is None:
+    wanted = constraint_request(args)
+    if wanted is None:
         return None
     from ..model.constraint import parse_spec
 
+    kind, source, field = wanted
+    return parse_spec(kind, source, field=field)
+
+
+def constraint_request(args) -> tuple[str, str | None, str] | None:
+    """What the flags ask for as ``parse_spec``'s (kind, source, field), files read (a file
+    that cannot be read is one line) but nothing parsed: what a resident model is sent."""
+    fmt, regex, grammar = (getattr(args, k, None) for k in ("format", "regex", "grammar"))
+    if fmt is None and regex is None and grammar is None:
+        return None
     if regex is not None:
-        return parse_spec("regex", regex, field="--regex")
+        return "regex", regex, "--regex"
     if grammar is not None:
-        return parse_spec("grammar", _read(grammar, "--grammar"), field="--grammar")
+        return "grammar", _read(grammar, "--grammar"), "--grammar"
     if fmt.strip() == "json":
-        return parse_spec("json_object", field="--format")
+        return "json_object", None, "--format"
     inline = fmt.lstrip()[:1] in ("{", "[", '"') or fmt.strip() in ("true", "false")
-    return parse_spec("json_schema", fmt if inline else _read(fmt, "--format"),
-                      field="--format")
+    return "json_schema", fmt if inline else _read(fmt, "--format"), "--format"
 
 
 def _read(path: str, flag: str) -> str:

@@ -99,8 +99,9 @@ def test_a_bad_constraint_is_one_line_before_the_model_loads(home, tmp_path, cap
                     | st.dictionaries(st.sampled_from(["type", "properties", "enum", "x"]),
                                       kids, max_size=3), max_leaves=8))
 def test_any_json_as_a_schema_runs_or_is_refused_in_one_line(home, tmp_path, capsys, value):
-    code, out, err = ask(capsys, "-m", str(tmp_path / "no-model"), "--format",
-                         json.dumps(value), "Hi")
+    # (--format=VALUE: a negative number after a space would read as an option to argparse)
+    code, out, err = ask(capsys, "-m", str(tmp_path / "no-model"),
+                         f"--format={json.dumps(value)}", "Hi")
     # Either refused as a constraint, or it passed the check and the (missing) model is
     # what stops it: never a traceback, always one line.
     assert code != 0 and out == "" and len(err.strip().splitlines()) == 1, err
