@@ -159,6 +159,12 @@ def _sampling(r: dict) -> None:
     assert all(x["ended"] + x["loop_cut"] + x["at_cap"] == x["runs"] for x in r["results"])
 
 
+def _resident(r: dict) -> None:
+    assert set(r["exit_s"]) == {"in-process", "first ask", "resident"}
+    assert r["turns_served"] >= 1 and r["crowd"] == 2 and r["crowd_models"] == 1
+    assert 0 <= r["keep_alive_overshoot_s"] < 30
+
+
 def _share(r: dict) -> None:
     assert r["shared_cached_tokens"] > 0 and r["fork_next_turn"]["cached_tokens"] > 0
 
@@ -195,6 +201,10 @@ CASES = {
                      "cli_search_s", "cli_list_s", "app_first_frame_s", "app_next_page_s"},
                     _longuse, model=False),
     "reasoning": Case({"families", "think_tokens", "answer_tokens"}, _reasoning, model=False),
+    "resident": Case({"history_tokens", "trials", "first_token_s", "exit_s",
+                      "resident_vs_in_process", "first_ask_minus_in_process_s", "turns_served",
+                      "crowd", "crowd_in_process_s", "crowd_resident_s", "crowd_speedup",
+                      "crowd_models", "keep_alive_overshoot_s"}, _resident),
     "resume": Case({"results", "flatness_last_vs_first", "flatness_mlx_attention"}, _resume),
     "sampling": Case({"cap", "seeds", "top_p", "results", "totals"}, _sampling),
     "serve": Case({"turns", "history_tokens", "turn_live_s", "mlx_lm_turn_live_s",

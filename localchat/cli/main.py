@@ -297,13 +297,22 @@ def cmd_ask(args) -> int:
     model = args.model or (known.model if known else None)
     calls: list[dict] = []  # the tool calls of the turn (--mcp/--allow-tools)
     turn = _resident_turn(args, prompt, model, wanted, keep)
-    if turn is not None:  # the resident model answers: its events, printed as ours
+    if turn is not None and hasattr(turn, "events"):  # the resident answers: its events
         name, events, cancel = turn.conversation, turn.events(), turn
         if not args.conversation:
             print(f"conversation: {name}", file=sys.stderr)
         return _report_turn(args, name, events, cancel, calls)
     constraint = constraint_of(args) if wanted is not None else None
     session = session_for(model, args)
+    try:
+        return _turn_here(args, session, prompt, constraint, calls)
+    finally:
+        if turn is not None:  # none answered: this ask starts one for the next, now its
+            turn.start()      # own turn is done (so this first ask costs what it did)
+
+
+def _turn_here(args, session, prompt, constraint, calls: list[dict]) -> int:
+    """``ask``'s turn run in this process; the exit status."""
     from ..session.session import Cancel, TurnOptions
 
     conv = session.conversation(args.conversation, system=args.system, kv_bits=args.kv_bits,
@@ -331,9 +340,9 @@ def cmd_ask(args) -> int:
 
 
 def _resident_turn(args, prompt, model, wanted, keep: float):
-    """The turn as the resident model process answers it (``resident/``), or None: run here
-    (no resident for tools, which run the user's MCP servers from this process, nor for a
-    split run; none with a keep-alive of 0)."""
+    """The turn as the resident model process answers it (``resident/``); else a ``Starter``
+    (run here, then start the resident) or None: run here (no resident for tools, which run
+    the user's MCP servers from this process, nor for a split run; none with keep-alive 0)."""
     if keep <= 0 or tools_wanted(args) or args.hosts or args.hostfile or os.name != "posix":
         return None
     from ..resident.client import open_turn

@@ -3,14 +3,18 @@ one), hand it the turn, and give ``cmd_ask`` back the turn's events as its own p
 yield them — so that what ``ask`` prints, and its exit status, are the same bytes either way.
 
 What it is: ``open_turn`` → a ``ResidentTurn`` (the conversation's name, the events, a
-``cancel`` that sends the user's Ctrl-C) or None when no resident can take it (the caller
-runs the turn in its own process; a resident that could not start cost one notice). The first
-client that finds none starts one (``python -m localchat.resident.daemon``, detached, its log
-under ``logs/``) holding ``<key>.lock``, so that concurrent clients start one between them; a
+``cancel`` that sends the user's Ctrl-C), a ``Starter`` or None; with either of the last two
+the caller runs the turn in its own process. The first client that finds no resident takes
+``<key>.lock`` and gets a ``Starter``: it runs its turn as an ask always did (so the first ask
+costs what it did), then ``Starter.start`` spawns the resident (``python -m
+localchat.resident.daemon``, detached, its log under ``logs/``) without waiting for it, handing
+it the lock, which the resident lets go once it listens — so concurrent clients start one
+between them (a client that finds the lock taken runs its turn here and starts nothing). A
 socket nobody listens on (a resident killed) is removed first. A resident of other code, or
-whose model files changed, answers ``stale`` and retires: the client starts another. If the
-resident ends during the turn, the events end with one error line (``ResidentLost``), saying
-whether the message is saved.
+whose model files changed, answers ``stale`` and retires: the client starts another. A
+resident that could not start leaves ``<key>.failed``: the next client says so in one notice.
+If the resident ends during the turn, the events end with one error line (``ResidentLost``),
+saying whether the message is saved.
 
 What it is not: the resident (``daemon.py``), the printing (``cli/main.py``'s, shared with the
 in-process turn). Imports nothing heavy: Python, a socket, the events' dataclasses.
@@ -22,9 +26,9 @@ import contextlib
 import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,8 +36,6 @@ from .. import paths
 from ..errors import LocalchatError
 from . import place as places
 from . import wire
-
-START_TIMEOUT = 20.0  # seconds a new resident may take to listen (it binds before loading)
 
 
 class ResidentError(LocalchatError):
@@ -107,14 +109,16 @@ def answered(obj: dict) -> ResidentError:
     return ResidentError(str(obj.get("message", "")), code if type(code) is int else 1)
 
 
-def open_turn(ask: wire.Ask, keep_alive: float) -> ResidentTurn | None:
-    """The turn, answered by the resident (started if none); None: run it here."""
+def open_turn(ask: wire.Ask, keep_alive: float) -> ResidentTurn | Starter | None:
+    """The turn, answered by the resident; else run it here (a ``Starter``: then start one)."""
     place = places.place_for(ask.model)
     request = wire.request_line("ask", digest=places.code_digest(), keep_alive=keep_alive,
                                 ask=wire.ask_fields(ask))
     try:
         for _ in range(3):
             conn = reach(place, keep_alive)
+            if not isinstance(conn, socket.socket):
+                return conn
             try:
                 return converse(conn, request)
             except _Retry:
@@ -127,8 +131,38 @@ def open_turn(ask: wire.Ask, keep_alive: float) -> ResidentTurn | None:
         return None
 
 
-def reach(place: places.Place, keep_alive: float):
-    """A connection to the resident of ``place``, started if none listens."""
+@dataclass
+class Starter:
+    """The right to start ``place``'s resident (its start lock, held), used after this
+    process has run its own turn."""
+
+    place: places.Place
+    keep_alive: float
+    lock: object  # the open lock file, flock-ed
+
+    def start(self) -> None:
+        """Spawn the resident, detached, and hand it the lock (it lets go once it listens);
+        no waiting. A resident that fails leaves its reason for the next ask."""
+        place, fd = self.place, self.lock.fileno()
+        try:
+            paths.ensure(place.log.parent)
+            with open(place.log, "ab") as log:
+                subprocess.Popen(
+                    [sys.executable, "-m", "localchat.resident.daemon", "--model", place.model,
+                     "--key", place.key, "--keep-alive", str(self.keep_alive),
+                     "--lock-fd", str(fd)],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=log, pass_fds=(fd,),
+                    env={**os.environ, "LOCALCHAT_HOME": str(place.home)},
+                    cwd=str(place.home), start_new_session=True)
+        except (OSError, subprocess.SubprocessError) as err:
+            places.write_failed(place, f"could not be started ({err})")
+        finally:
+            self.lock.close()
+
+
+def reach(place: places.Place, keep_alive: float) -> socket.socket | Starter | None:
+    """A connection to the resident of ``place``; if none listens, a ``Starter`` (this client
+    starts it after its turn) or None (another client is starting it: run here)."""
     with contextlib.suppress(OSError):
         return places.connect(place)
     try:
@@ -137,40 +171,27 @@ def reach(place: places.Place, keep_alive: float):
     except OSError as err:
         raise _Fallback(f"cannot start a resident model process ({err.strerror or err})"
                         ) from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another client may be starting it right now
-        try:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # another client is starting one (its own turn first): do not wait
+        lock.close()
+        with contextlib.suppress(OSError):
             return places.connect(place)
-        except FileNotFoundError:
-            pass
-        except OSError:  # a socket nobody listens on: a resident that was killed
-            places.remove_if(place.sock)
-        start(place, keep_alive)
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                return places.connect(place)
-            except OSError:
-                time.sleep(0.005)
-        raise _Fallback(f"the resident model process did not start (see {place.log})")
-
-
-def start(place: places.Place, keep_alive: float) -> None:
-    """Start the resident (it detaches at once: the child waited for here is its parent)."""
+        return None
     try:
-        paths.ensure(place.log.parent)
-        log = open(place.log, "ab")  # noqa: SIM115 - handed to the child
-    except OSError as err:
-        raise _Fallback(f"cannot write the resident's log ({err.strerror or err})") from None
-    env = {**os.environ, "LOCALCHAT_HOME": str(place.home)}
-    try:
-        with log:
-            subprocess.run([sys.executable, "-m", "localchat.resident.daemon", "--model",
-                            place.model, "--key", place.key, "--keep-alive", str(keep_alive)],
-                           stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env,
-                           cwd=str(place.home), start_new_session=True, check=True, timeout=30)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise _Fallback(f"the resident model process did not start ({err})") from None
+        conn = places.connect(place)  # (it may have come up meanwhile)
+    except FileNotFoundError:
+        pass
+    except OSError:  # a socket nobody listens on: a resident that was killed
+        places.remove_if(place.sock)
+    else:
+        lock.close()
+        return conn
+    failed = places.take_failed(place)
+    if failed:
+        print(f"localchat: the resident model process {failed} (see {place.log}); running "
+              "the model in this process", file=sys.stderr, flush=True)
+    return Starter(place, keep_alive, lock)
 
 
 def converse(conn, request: bytes) -> ResidentTurn:

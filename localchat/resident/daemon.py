@@ -85,6 +85,7 @@ class Resident:
             self.load()
         except BaseException as err:  # noqa: BLE001 - waiting clients get it; then exit
             log(f"loading failed: {type(err).__name__}: {err}")
+            places.write_failed(self.place, f"could not load its model ({err})")
             with self.lock:
                 self.failed = err
                 self.lock.notify_all()
@@ -387,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-alive", type=float, required=True)
     p.add_argument("--digest", default=None, help="(tests) answer as other code would")
     p.add_argument("--foreground", action="store_true", help="do not detach")
+    p.add_argument("--lock-fd", type=int, default=None,
+                   help="the starter's start lock, let go once this resident listens")
     args = p.parse_args(argv)
     if not args.foreground:
         if os.fork() > 0:
@@ -396,12 +399,18 @@ def main(argv: list[str] | None = None) -> int:
     place = places.place_for(args.model)
     if place.key != args.key:
         log(f"not started: this environment keys the resident {place.key}, not {args.key}")
+        places.write_failed(place, "was started with another key")
         return 1
     try:
         listener, ino = places.listen(place)
     except OSError as err:
         log(f"not started: {place.sock}: {err.strerror or err}")
+        places.write_failed(place, f"could not listen ({err.strerror or err})")
         return 1
+    finally:
+        if args.lock_fd is not None:  # listening (or not at all): others may start one now
+            with contextlib.suppress(OSError):
+                os.close(args.lock_fd)
     resident = Resident(place, listener, ino, args.keep_alive,
                         args.digest or places.code_digest())
 

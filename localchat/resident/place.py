@@ -133,6 +133,10 @@ class Place:
         return self.folder / f"{self.key}.lock"
 
     @property
+    def failed(self) -> Path:
+        return self.folder / f"{self.key}.failed"
+
+    @property
     def log(self) -> Path:
         return self.home / "logs" / f"resident-{self.key}.log"
 
@@ -192,6 +196,23 @@ def listen(place: Place) -> tuple[socket.socket, int]:
         os.umask(old)
     s.listen(64)
     return s, ino
+
+
+def write_failed(place: Place, why: str) -> None:
+    """Leave why a resident did not start (one line) for the next client to say."""
+    with contextlib.suppress(OSError):
+        paths.ensure(place.folder)
+        place.failed.write_text(why[:500].replace("\n", " "), encoding="utf-8")
+
+
+def take_failed(place: Place) -> str | None:
+    """Why the last resident did not start (and forget it), or None."""
+    try:
+        why = place.failed.read_text(encoding="utf-8", errors="replace").strip()
+    except OSError:
+        return None
+    remove_if(place.failed)
+    return why[:500] or "did not start"
 
 
 def remove_if(path: Path, ino: int | None = None) -> None:

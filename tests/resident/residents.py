@@ -59,6 +59,14 @@ class Cli:
                 found.append(pid)
         return found
 
+    def resident(self, timeout: float = 60.0) -> int:
+        """The pid of this data folder's one resident, once it is ready (an ask that found
+        none ran its turn itself and started one as it ended: it may still be loading)."""
+        def ready():
+            pids = self.pids()
+            return len(pids) == 1 and f"pid {pids[0]}: ready:" in self.log() and pids[0]
+        return wait_for(ready, timeout=timeout, step=0.02)
+
     def log(self) -> str:
         return "".join(f.read_text(errors="replace")
                        for f in sorted((self.home / "logs").glob("resident-*.log")))
