@@ -105,10 +105,11 @@ def tool_grammar(tok: Any, tools: tuple[dict, ...], rules: ToolRules,
         raise BadConstraint(f"tool_choice: no offered tool is named {rules.name!r}")
     chosen = [t for t in tools if rules.choice != "function" or t["function"]["name"] == rules.name]
     start, end = tok.tool_call_start, tok.tool_call_end
-    special, vocab = _special_id(tok, start, vocabulary)
-    lark = _lark(_body_schema(chosen, set(rules.strict)), start, end, special, rules)
+    vocab = _Vocabulary(tok, vocabulary)
+    opener, closer = vocab.term(start), vocab.term(end) if end else ""
+    lark = _lark(_body_schema(chosen, set(rules.strict)), opener, closer, start, rules)
     spec = parse_spec("grammar", lark, field="tools", name=NAME,
-                      tokenizer=vocab if special is not None else None)
+                      tokenizer=vocab.llt if vocab.special else None)
     return spec, ""
 
 
@@ -120,19 +121,28 @@ def _syntax(tok: Any) -> str | None:
     return module.rsplit(".", 1)[-1] if module.startswith("mlx_lm.tool_parsers.") else None
 
 
-def _special_id(tok: Any, marker: str, vocabulary) -> tuple[int | None, Any]:
-    """(the id of ``marker`` when it is one special token of the vocabulary, else None; the
-    vocabulary, when it was needed)."""
-    if vocabulary is None:
-        return None, None
-    try:
-        ids = tok.encode(marker, add_special_tokens=False)
-    except (TypeError, ValueError):  # a tokenizer without the keyword: the marker is text
-        return None, None
-    if len(ids) != 1:
-        return None, None
-    vocab = vocabulary()
-    return (int(ids[0]) if vocab.is_special_token(ids[0]) else None), vocab
+class _Vocabulary:
+    """How the grammar names a marker: a special token by its id (``<[id]>``: a literal
+    would make the model spell it out, and llguidance's masks and checks disagree on a
+    special token whose text a literal matches), any other text as a literal."""
+
+    def __init__(self, tok: Any, vocabulary):
+        self.tok, self.vocabulary, self.llt, self.special = tok, vocabulary, None, False
+
+    def term(self, marker: str) -> str:
+        ids = self._ids(marker) if self.vocabulary is not None else []
+        if len(ids) == 1:
+            self.llt = self.llt or self.vocabulary()
+            if self.llt.is_special_token(ids[0]):
+                self.special = True
+                return f"<[{int(ids[0])}]>"
+        return json.dumps(marker)
+
+    def _ids(self, marker: str) -> list[int]:
+        try:
+            return list(self.tok.encode(marker, add_special_tokens=False))
+        except (TypeError, ValueError):  # a tokenizer without the keyword: taken as text
+            return []
 
 
 # -- the grammar ------------------------------------------------------------------------------
@@ -186,13 +196,14 @@ def _relocate(schema: object, base: str) -> object:
     return out
 
 
-def _lark(body: dict, start: str, end: str, special: int | None, rules: ToolRules) -> str:
-    """The reply's grammar (see the module docstring)."""
-    opener = f"<[{special}]>" if special is not None else json.dumps(start)
+def _lark(body: dict, opener: str, closer: str, start: str, rules: ToolRules) -> str:
+    """The reply's grammar (see the module docstring): ``opener`` and ``closer``, the
+    markers as Lark terms (a literal or a special token's ``<[id]>``); ``start``, the start
+    marker's text."""
     more = "" if not rules.parallel or rules.choice == "function" else "more*"
     lines = ["%llguidance {}"]
     if rules.choice == "auto":
-        if special is None:  # text up to the marker, lazily: it ends where the marker does
+        if not opener.startswith("<["):  # text up to the marker, lazily: it ends there
             lines += [f"start: TEXT | head call {more}",
                       f"head[lazy]: ANY {opener}",
                       f"TEXT: ANY & ~(ANY {_regex(start)} ANY)"]
@@ -202,7 +213,7 @@ def _lark(body: dict, start: str, end: str, special: int | None, rules: ToolRule
     else:
         lines += [f"start: SEP? {opener} call {more}"]
     lines += [f"more: SEP? {opener} call",
-              f"call: NL? body NL? {json.dumps(end)}" if end else "call: NL? body",
+              f"call: NL? body NL? {closer}" if closer else "call: NL? body",
               f"body: %json {json.dumps(body, ensure_ascii=False)}",
               f"SEP: {SEPARATOR}", r'NL: "\n"']
     return "\n".join(lines) + "\n"
