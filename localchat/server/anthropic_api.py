@@ -19,7 +19,10 @@ accepted and dropped.
 
 Structured output: ``output_config.format`` (or the beta's ``output_format``) ``{"type":
 "json_schema", "schema": {...}}`` masks the reply to the schema (``structured.py``); one cut
-by ``max_tokens`` before it was complete ends with ``stop_reason: "max_tokens"``.
+by ``max_tokens`` before it was complete ends with ``stop_reason: "max_tokens"``. Tools:
+``tools[i].strict`` (its ``input_schema`` checked here) and ``tool_choice`` (``auto``, ``any``,
+``tool`` with its ``name``, ``none``; ``disable_parallel_tool_use``) become
+``ChatRequest.tool_rules`` (``model/toolcalls.py``).
 """
 
 from __future__ import annotations

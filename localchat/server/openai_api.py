@@ -16,7 +16,9 @@ the stored conversation, so a client that drops it still continues that conversa
 
 Structured output: ``response_format`` ``json_object`` or ``json_schema`` (``structured.py``);
 the reply is masked to it token by token, and one cut by its cap before the shape was complete
-ends with ``finish_reason: "length"``.
+ends with ``finish_reason: "length"``. Tools: ``tools[i].function.strict`` (its parameters'
+schema checked here), ``tool_choice`` ("auto", "none", "required", a named function) and
+``parallel_tool_calls`` become ``ChatRequest.tool_rules`` (``model/toolcalls.py``).
 """
 
 from __future__ import annotations
