@@ -7,7 +7,8 @@ the model), ``tokenizer/`` (the tokenizer and chat template without transformers
 ``engine.py`` (``Engine``: render, prefill, decode — the only module that runs the model),
 ``info.py`` (what its KV cache costs), ``sampler.py`` (the next token from the logits, and a
 draft's check), ``defaults.py`` (the sampling settings a request leaves open),
-``endtokens.py`` (where a reply ends) and ``replies.py`` (the tool calls inside a reply).
+``endtokens.py`` (where a reply ends), ``replies.py`` (the tool calls inside a reply) and
+``toolcalls.py`` (the grammar that holds strict tools' calls to their schemas).
 
 What it is not: conversations, turns or the cache on disk; the session drives it.
 """

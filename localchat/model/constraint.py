@@ -84,12 +84,15 @@ class ConstraintSpec:
 
 
 def parse_spec(kind: str, source: str | dict | bool | None = None, *, field: str | None = None,
-               name: str | None = None) -> ConstraintSpec:
+               name: str | None = None,
+               tokenizer: llguidance.LLTokenizer | None = None) -> ConstraintSpec:
     """Check a constraint before any model work (~1 ms for an ordinary schema).
 
     Args: ``kind`` "json_object" (any object; no ``source``), "json_schema" (``source`` a dict,
     a bool or JSON text), "regex" or "grammar" (Lark text, llguidance's dialect); ``field``,
-    what messages name (default FIELDS[kind]); ``name``, what usage calls it (default kind).
+    what messages name (default FIELDS[kind]); ``name``, what usage calls it (default kind);
+    ``tokenizer``, the model's (``tokenizer_for``) for a grammar that names its special tokens
+    (default: checked against bytes alone).
     Raises: BadConstraint (too large or deep, not JSON, not a schema, an unsupported keyword,
     an invalid regex or grammar, or one that admits nothing).
     """
@@ -112,7 +115,7 @@ def parse_spec(kind: str, source: str | dict | bool | None = None, *, field: str
                    "whitespace_pattern": WHITESPACE, "lenient": False, "coerce_one_of": False}))
     # Compiled against a 257-token byte tokenizer: every check llguidance makes, and a first
     # mask (where an empty language shows), in about a millisecond and without the model.
-    matcher = _compile(_byte_tokenizer(), grammar)
+    matcher = _compile(tokenizer or _byte_tokenizer(), grammar)
     if matcher.is_error() or (matcher.compute_bitmask() and matcher.is_error()):
         raise BadConstraint(f"{where}: {_why(matcher, kind)}")
     return ConstraintSpec(kind, text, name or kind, grammar)

@@ -19,7 +19,10 @@ accepted and dropped.
 
 Structured output: ``output_config.format`` (or the beta's ``output_format``) ``{"type":
 "json_schema", "schema": {...}}`` masks the reply to the schema (``structured.py``); one cut
-by ``max_tokens`` before it was complete ends with ``stop_reason: "max_tokens"``.
+by ``max_tokens`` before it was complete ends with ``stop_reason: "max_tokens"``. Tools:
+``tools[i].strict`` (its ``input_schema`` checked here) and ``tool_choice`` (``auto``, ``any``,
+``tool`` with its ``name``, ``none``; ``disable_parallel_tool_use``) become
+``ChatRequest.tool_rules`` (``model/toolcalls.py``).
 """
 
 from __future__ import annotations
@@ -63,14 +66,10 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         raise bad(f"the request body must be a JSON object, not {kind_of(body)}")
     unknown_keys(body, COUNT_KNOWN if counting else KNOWN)
     model = string(body, "model", required=True)
-    tools = _tools(body.get("tools"))
-    choice = body.get("tool_choice")
-    if choice is not None and (not isinstance(choice, dict)
-                               or choice.get("type") not in ("auto", "none")):
-        raise bad("tool_choice must be {\"type\": \"auto\"} or {\"type\": \"none\"} (the "
-                  "model decides)", "tool_choice")
-    if isinstance(choice, dict) and choice.get("type") == "none":
-        tools = ()
+    tools, strict = _tools(body.get("tools"))
+    rules = _tool_rules(body.get("tool_choice"), strict, tools)
+    if rules is None:  # tool_choice none
+        tools, rules = (), None
     thinking = _thinking(body.get("thinking"))
     constraint = structured.anthropic_format(body, tools)
     for key, kind in IGNORED.items():
@@ -89,7 +88,8 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         top_p=number(body, "top_p", low=0.0, high=1.0, default=None, low_open=True),
         top_k=integer(body, "top_k", low=1),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
-        stream=boolean(body, "stream"), tools=tools, thinking=thinking, constraint=constraint)
+        stream=boolean(body, "stream"), tools=tools, thinking=thinking, constraint=constraint,
+        tool_rules=rules)
 
 
 THINKING_TYPES = {"enabled": True, "disabled": False, "adaptive": None}
@@ -120,12 +120,14 @@ def _thinking(value: object) -> bool | None:
     return THINKING_TYPES[kind]
 
 
-def _tools(value: object) -> tuple[dict, ...]:
+def _tools(value: object) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """The client tools, and the names of those with ``strict: true`` (their
+    ``input_schema`` checked here: a 400 names ``tools.i.input_schema``)."""
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, list):
         raise bad(f"tools: must be an array, not {kind_of(value)}", "tools")
-    out = []
+    out, strict = [], []
     for i, t in enumerate(value):
         if not isinstance(t, dict):
             raise bad(f"tools.{i}: must be an object", f"tools.{i}")
@@ -134,7 +136,38 @@ def _tools(value: object) -> tuple[dict, ...]:
                       "supported", f"tools.{i}")
         out.append(function_tool(t.get("name"), t.get("description"), t.get("input_schema"),
                                  f"tools.{i}"))
-    return tuple(out)
+        if boolean(t, "strict", where=f"tools.{i}.strict"):
+            strict.append(structured.strict_tool(out[-1], f"tools.{i}.input_schema"))
+    return tuple(out), tuple(strict)
+
+
+def _tool_rules(choice: object, strict: tuple[str, ...], tools: tuple[dict, ...]):
+    """``tool_choice`` (``{"type": "auto" | "any" | "tool" | "none"}``, ``name`` for "tool",
+    ``disable_parallel_tool_use``) and the strict tools as ``ToolRules``; None for "none"."""
+    from ..model.toolcalls import ToolRules
+
+    if choice is None:
+        return ToolRules(strict=strict)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind not in ("auto", "any", "tool", "none"):
+        raise bad("tool_choice: must be {\"type\": \"auto\"}, {\"type\": \"any\"}, "
+                  "{\"type\": \"tool\", \"name\": ...} or {\"type\": \"none\"}",
+                  "tool_choice")
+    unknown_keys(choice, {"type", "disable_parallel_tool_use"} | (
+        {"name"} if kind == "tool" else set()), "tool_choice")
+    one = boolean(choice, "disable_parallel_tool_use",
+                  where="tool_choice.disable_parallel_tool_use")
+    if kind == "none":
+        return None
+    name = choice.get("name")
+    if kind == "tool" and name not in {t["function"]["name"] for t in tools}:
+        raise bad(f"tool_choice.name: {str(name)[:60]!r} is not among the tools",
+                  "tool_choice.name")
+    if kind in ("any", "tool") and not tools:
+        raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+    return ToolRules(strict=strict, choice={"auto": "auto", "any": "required",
+                                            "tool": "function"}[kind],
+                     name=name if kind == "tool" else None, parallel=not one)
 
 
 def _system(value: object) -> str:

@@ -14,12 +14,14 @@ mid-stream gets its generation stopped at the next token. A reasoning model's th
 (``ReasoningChunk`` events, then ``TurnFinished.reasoning``) is answered apart from the reply,
 in each API's own field or block; the request's switch (``ChatRequest.thinking``) goes to the
 turn, which renders the template with it. A reply's shape (``ChatRequest.constraint``, checked
-by ``structured.py`` before the request is queued) goes to the turn as its constraint.
+by ``structured.py`` before the request is queued) goes to the turn as its constraint; so
+does the grammar of strict tools' calls and ``tool_choice`` (``_tool_constraint``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import secrets
@@ -37,6 +39,7 @@ from .. import crashlog
 from ..errors import BadInput, ContextFull, LocalchatError
 from ..events import ReasoningChunk, ReplyChunk, TurnFinished
 from ..model.replies import ToolHold, tool_markers
+from ..model.toolcalls import NAME as TOOLS_CONSTRAINT
 from ..session import stateless
 from ..session.session import TurnOptions
 from . import anthropic_api, openai_api
@@ -65,6 +68,7 @@ class Service:
                                 "source": self.sampling.sources[name]}
                          for name in self.sampling.sources}
         self.log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self.told_free_tools = False  # the log said strict tools run free on this model
 
     def check_model(self, name: str) -> None:
         if name not in self.names:
@@ -156,6 +160,7 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         # and the other clients' streams go on meanwhile.
         req = await run_in_threadpool(spec.parse, await _json(request))
         service.check_model(req.model)
+        req = await run_in_threadpool(_tool_constraint, service, req)
     except ApiError as err:
         service.log(f"localchat serve: {api} {err.status} {err.message}")
         return _error(err, api)
@@ -189,6 +194,31 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
     return JSONResponse(anthropic_api.message(
         rid, service.model, reply, finished.usage, finished.usage.bytes_written > 0,
         _finish(finished), finished.stop_sequence, finished.tool_calls, finished.reasoning))
+
+
+def _tool_constraint(service: Service, req: ChatRequest) -> ChatRequest:
+    """``req`` with its strict tools' and ``tool_choice``'s grammar as its constraint, in the
+    model's own tool-call syntax (``model/toolcalls.py``). A model whose calls that grammar
+    cannot write runs free, said once in the log (a template without tools is ``_turn``'s)."""
+    engine = service.worker.session.engine
+    rules = req.tool_rules
+    if not req.tools or rules is None or not rules.constrains or tool_markers(engine) is None:
+        return req
+    from ..model.constraint import BadConstraint, tokenizer_for
+    from ..model.toolcalls import tool_grammar
+
+    try:
+        spec, why = tool_grammar(engine.tokenizer, req.tools, rules,
+                                 lambda: tokenizer_for(engine.tokenizer, engine.eos_ids))
+    except BadConstraint as err:
+        raise bad(str(err), "tool_choice" if rules.name else "tools") from None
+    if spec is None:
+        if not service.told_free_tools:
+            service.told_free_tools = True
+            service.log(f"localchat serve: strict tools and tool_choice are not enforced for "
+                        f"{service.model}: {why}")
+        return req
+    return dataclasses.replace(req, constraint=spec)
 
 
 def _cost(service: Service, req: ChatRequest) -> int:
@@ -245,7 +275,8 @@ def _finish(finished: TurnFinished) -> str:
     A constrained reply whose shape was complete when its cap came is whole: stop (so that a
     client that parses it, as ``openai``'s ``parse`` does, takes it); its "length" means a
     shape left incomplete."""
-    if finished.finish == "length" and finished.complete:
+    if finished.finish == "length" and finished.complete and finished.usage.constrained \
+            != TOOLS_CONSTRAINT:  # (free text is complete for a tools grammar: not whole)
         return "stop"
     return finished.finish if finished.finish in ("length", "stop_sequence", "tool_calls") \
         else "stop"

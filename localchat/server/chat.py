@@ -7,7 +7,9 @@ API names its own way. Limits keep one request from taking the server: ``MAX_BOD
 arrives as ``ChatRequest.thinking`` (each API's own fields: ``reasoning_effort`` and
 ``chat_template_kwargs``, or ``thinking``), and an earlier reply's reasoning as its message's
 ``reasoning_content``. A reply's shape (OpenAI's ``response_format``, Anthropic's
-``output_config.format``) arrives as ``ChatRequest.constraint``, checked (``structured.py``).
+``output_config.format``) arrives as ``ChatRequest.constraint``, checked (``structured.py``);
+strict tools and ``tool_choice`` as ``ChatRequest.tool_rules``, the server turning them into the
+constraint once it knows the model's tool-call syntax (``app.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..model.constraint import ConstraintSpec
+    from ..model.toolcalls import ToolRules
 
 MAX_BODY = 8 * 2**20  # bytes of one request body
 MAX_MESSAGES = 4096
@@ -64,6 +67,7 @@ class ChatRequest:
     tools: tuple[dict, ...] = ()  # function tools, in OpenAI's shape (what templates take)
     thinking: bool | None = None  # a reasoning model thinks first (None: its template's default)
     constraint: ConstraintSpec | None = None  # the reply's shape (``structured.py``; None: free)
+    tool_rules: ToolRules | None = None  # strict tools, tool_choice (``model/toolcalls.py``)
 
 
 # -- field checks (each raises ApiError 400 naming the field) -----------------------------
@@ -111,12 +115,13 @@ def number(body: dict, key: str, *, low: float, high: float, default: float | No
     return float(value)
 
 
-def boolean(body: dict, key: str, default: bool = False) -> bool:
+def boolean(body: dict, key: str, default: bool = False, *, where: str | None = None) -> bool:
+    """``body[key]``, true or false (``where``: the field's full name, for the message)."""
     value = body.get(key)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(f"{key} must be true or false, not {kind_of(value)}", key)
+        raise bad(f"{where or key} must be true or false, not {kind_of(value)}", where or key)
     return value
 
 

@@ -16,7 +16,9 @@ the stored conversation, so a client that drops it still continues that conversa
 
 Structured output: ``response_format`` ``json_object`` or ``json_schema`` (``structured.py``);
 the reply is masked to it token by token, and one cut by its cap before the shape was complete
-ends with ``finish_reason: "length"``.
+ends with ``finish_reason: "length"``. Tools: ``tools[i].function.strict`` (its parameters'
+schema checked here), ``tool_choice`` ("auto", "none", "required", a named function) and
+``parallel_tool_calls`` become ``ChatRequest.tool_rules`` (``model/toolcalls.py``).
 """
 
 from __future__ import annotations
@@ -67,12 +69,10 @@ def parse(body: object) -> ChatRequest:
             raise bad(f"{key} is not supported (only 0)", key)
     if boolean(body, "logprobs"):
         raise bad("logprobs are not supported", "logprobs")
-    tools = _tools(body.get("tools"))
+    tools, strict = _tools(body.get("tools"))
     choice = body.get("tool_choice")
-    if choice not in (None, "none", "auto"):
-        raise bad("tool_choice must be \"auto\" or \"none\" (the model decides)",
-                  "tool_choice")
     tools = () if choice == "none" else tools
+    rules = _tool_rules(choice, strict, body.get("parallel_tool_calls"), tools)
     constraint = structured.openai_format(body.get("response_format"), tools)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -101,7 +101,7 @@ def parse(body: object) -> ChatRequest:
                                   default=None, low_open=True),
         seed=integer(body, "seed", low=-(2**63), high=2**63 - 1),
         stop=stops(body.get("stop"), "stop"), stream=stream, include_usage=include_usage,
-        tools=tools, thinking=_thinking(body), constraint=constraint)
+        tools=tools, thinking=_thinking(body), constraint=constraint, tool_rules=rules)
 
 
 def _thinking(body: dict) -> bool | None:
@@ -133,12 +133,14 @@ def _thinking(body: dict) -> bool | None:
     return None if effort is None else EFFORTS[effort]
 
 
-def _tools(value: object) -> tuple[dict, ...]:
+def _tools(value: object) -> tuple[tuple[dict, ...], tuple[str, ...]]:
+    """The function tools, and the names of those with ``strict: true`` (their parameters'
+    schemas checked here: a 400 names ``tools[i].function.parameters``)."""
     if value is None:
-        return ()
+        return (), ()
     if not isinstance(value, list):
         raise bad(f"tools must be an array, not {kind_of(value)}", "tools")
-    out = []
+    out, strict = [], []
     for i, t in enumerate(value):
         where = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(
@@ -148,7 +150,37 @@ def _tools(value: object) -> tuple[dict, ...]:
         f = t["function"]
         out.append(function_tool(f.get("name"), f.get("description"), f.get("parameters"),
                                  where))
-    return tuple(out)
+        if boolean(f, "strict", where=f"{where}.function.strict"):
+            strict.append(structured.strict_tool(out[-1], f"{where}.function.parameters"))
+    return tuple(out), tuple(strict)
+
+
+def _tool_rules(choice: object, strict: tuple[str, ...], parallel: object,
+                tools: tuple[dict, ...]):
+    """``tool_choice`` ("auto", "none", "required" or ``{"type": "function", "function":
+    {"name": …}}``), the strict tools and ``parallel_tool_calls`` as ``ToolRules``."""
+    from ..model.toolcalls import ToolRules
+
+    kind, name = choice, None
+    if isinstance(choice, dict):
+        unknown_keys(choice, {"type", "function"}, "tool_choice")
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(
+                fn.get("name"), str):
+            raise bad("tool_choice must be {\"type\": \"function\", \"function\": "
+                      "{\"name\": ...}} when it is an object", "tool_choice")
+        kind, name = "function", fn["name"]
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad(f"tool_choice names {name!r}, which is not among the tools",
+                      "tool_choice.function.name")
+    elif choice not in (None, "none", "auto", "required"):
+        raise bad("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": "
+                  "\"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    if kind in ("required", "function") and not tools:
+        raise bad(f"tool_choice {kind!r} needs tools", "tool_choice")
+    return ToolRules(strict=strict if tools else (),
+                     choice="auto" if kind in (None, "none") else kind, name=name,
+                     parallel=parallel is not False)
 
 
 def _messages(value: object) -> list[dict]:

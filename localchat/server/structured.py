@@ -11,9 +11,13 @@ schema), ``{"type": "json_schema", "json_schema": {"name", "description", "schem
 field and the reason (``response_format.json_schema.schema: unsupported keyword 'foo' at
 /properties/x``).
 
-What it is not: the mask (the turn's, ``session/generation.py``), or tools' ``strict``
-(accepted, their arguments are not constrained). A shape beside offered tools is refused: the
-grammar would forbid the template's tool-call markup, so the model could never call one.
+A tool with ``strict: true`` (OpenAI's ``tools[i].function.strict``, Anthropic's
+``tools[i].strict``) has its parameters' schema checked here the same way (``strict_tool``); the
+grammar of its calls is the server's, once it knows the model's syntax (``model/toolcalls.py``).
+
+What it is not: the mask (the turn's, ``session/generation.py``). A shape beside offered
+tools is refused: the grammar would forbid the template's tool-call markup, so the model could
+never call one.
 """
 
 from __future__ import annotations
@@ -100,6 +104,19 @@ def anthropic_format(body: dict, tools: tuple = ()) -> ConstraintSpec | None:
     if value.get("schema") is None:
         raise bad(f"{where}.schema: field required", f"{where}.schema")
     return _spec("json_schema", value["schema"], f"{where}.schema", tools, where)
+
+
+def strict_tool(tool: dict, field: str) -> str:
+    """A strict tool's name, its parameters' schema checked (a 400 naming ``field``, as
+    ``response_format``'s: the schema is what its calls' arguments are held to)."""
+    from ..model.constraint import BadConstraint
+    from ..model.toolcalls import check_parameters
+
+    try:
+        check_parameters(tool["function"]["parameters"], field)
+    except BadConstraint as err:
+        raise bad(str(err), field) from None
+    return tool["function"]["name"]
 
 
 def _spec(kind: str, source: object, field: str, tools: tuple, shape: str) -> ConstraintSpec:
