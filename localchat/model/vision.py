@@ -46,6 +46,7 @@ from pathlib import Path
 from ..errors import BadInput, ModelBroken
 from ..files import xxh3
 from ..kvcache import kinds as ck
+from ..kvcache.folder import common_prefix
 from .engine import PREFILL_CHUNK, Engine
 from .resolve import ModelRef
 
@@ -196,6 +197,11 @@ class VisionEngine(Engine):
     def takes_images(self) -> bool:
         return True
 
+    def can_verify(self) -> bool:
+        """No prompt-lookup drafts yet: a vision model decodes plain (its verify passes
+        would need the M-RoPE positions of several tokens at once; left for later)."""
+        return False
+
     def layout(self, quant=None):
         """The text model's layout, without the vocabulary bound: an image token's key is
         above the vocabulary (it is never fed as an id: ``prefill`` maps it)."""
@@ -268,8 +274,8 @@ class VisionEngine(Engine):
                thinking: bool | None = None) -> list[int]:
         """The keys of the conversation (see the module docstring): ids, with each image's
         placeholder tokens keyed by the image. A message's ``images`` (content hashes)
-        come before its text. ``prior`` is not used to keep earlier ids (a reply that
-        re-tokenizes differently is prefilled again)."""
+        come before its text. ``prior`` (the cache's keys) is kept where its text and its
+        images are the rendered ones, as ``Engine.render`` keeps a reply's generated ids."""
         shown, order = [], []
         for m in messages:
             digests = m.get("images") or ()
@@ -297,9 +303,31 @@ class VisionEngine(Engine):
                 raise BadInput(f"the chat template wrote {len(pieces) - 1} image places for "
                                f"{len(entries)} images")
             expanded = pieces[0] + "".join(e.expansion + p for e, p in zip(entries, pieces[1:]))
-            ids = self._encode(expanded)
-        keys, vocab, at = [], self.vocab, 0
-        queue = [(e, j) for e in entries for j in range(e.count)]
+            queue = [(e, j) for e in entries for j in range(e.count)]
+            canonical = self._keyed(self._encode(expanded), queue, 0)
+            if not prior or common_prefix(prior, canonical) == len(prior):
+                return canonical
+            # The longest prefix of ``prior`` whose text is the rendered text's start and
+            # whose images are the rendered ones, in order (text alone cannot tell them).
+            shown_ids = [self.image_token if k >= self.vocab else k for k in prior]
+            j, prefix_text = self._aligned_prefix(shown_ids, expanded)
+            ours = [k for k in canonical if k >= self.vocab]
+            seen = 0
+            for i in range(j):
+                if prior[i] >= self.vocab:
+                    if seen >= len(ours) or prior[i] != ours[seen]:
+                        j, prefix_text = self._aligned_prefix(shown_ids[:i], expanded)
+                        break
+                    seen += 1
+            seen = sum(k >= self.vocab for k in prior[:j])
+            if j <= common_prefix(prior, canonical):
+                return canonical
+            rest = self._encode(expanded[len(prefix_text):])
+            return list(prior[:j]) + self._keyed(rest, queue, seen)
+
+    def _keyed(self, ids: list[int], queue: list[tuple[Image, int]], at: int) -> list[int]:
+        """``ids`` with each image token replaced by the key of ``queue[at]``, ``at + 1``, …"""
+        keys, vocab = [], self.vocab
         for t in ids:
             if t == self.image_token:
                 if at >= len(queue):
