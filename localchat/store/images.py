@@ -90,7 +90,7 @@ def decode(data: bytes, name: str):
 
 
 def check(path: Path):
-    """Read and decode the file ``path``; the image and its ``ImageInfo``.
+    """Read and decode the file ``path``; its bytes, the image and its ``ImageInfo``.
 
     Raises:
         BadInput: missing, unreadable, too big a file, or not an image (``decode``).
@@ -106,7 +106,7 @@ def check(path: Path):
         raise BadInput(f"{path}: a folder, not an image file") from None
     except OSError as err:
         raise BadInput(f"{path}: {err.strerror or err}") from None
-    return decode(data, name)
+    return (data, *decode(data, name))
 
 
 class ImageStore:
@@ -121,8 +121,8 @@ class ImageStore:
         Raises:
             BadInput: see ``check``. StorageError: the data folder cannot be written.
         """
-        _, info = check(path)
-        return self.put(Path(path).read_bytes(), info)
+        data, _, info = check(path)
+        return self.put(data, info)
 
     def put(self, data: bytes, info: ImageInfo) -> ImageInfo:
         """Store the checked bytes ``data`` of ``info`` unless that content is stored."""
@@ -152,7 +152,7 @@ class ImageStore:
         path = self.find(digest)
         if path is None:
             raise BadInput(f"image {digest[:12]} is missing from {self.root}")
-        image, info = check(path)
+        _, image, info = check(path)
         if info.digest != digest:
             raise BadInput(f"image {digest[:12]} changed on disk ({path})")
         return image
