@@ -75,6 +75,11 @@ def kv_folder(conversation_id: int) -> Path:
     return kv_root() / str(conversation_id)
 
 
+def images_dir() -> Path:
+    """Folder holding the images of conversations, one file per image content hash."""
+    return data_home() / "images"
+
+
 def models_dir() -> Path:
     """Folder holding models localchat converted itself (the embedded default)."""
     return data_home() / "models"

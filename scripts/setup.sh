@@ -23,6 +23,8 @@ case "$(uname -s)" in
            extras+=(--extra cuda); else extras+=(--extra cpu); fi ;;
   *) extras+=(--extra cpu) ;;
 esac
+# Images (docs/images.md): mlx-vlm and Pillow, 39 MB; imported only when a vision model loads.
+extras+=(--extra vision)
 [ "${1:-}" = "test" ] && extras+=(--extra test)
 # --locked: fail rather than install anything the lock does not say; --inexact: keep pip and
 # uv in the environment; never download a Python (the venv's is the one).

@@ -32,6 +32,8 @@ def _installed_extras() -> list[str]:
         extras.append("cpu")
     elif any(n.startswith("mlx-cuda") for n in names):
         extras.append("cuda")
+    if "mlx-vlm" in names:
+        extras.append("vision")
     return extras
 
 

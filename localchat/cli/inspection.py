@@ -35,9 +35,9 @@ def cmd_inspect(args) -> int:
     from ..cpu import backend
     from ..kvcache import budget
     from ..kvcache.folder import CacheFolder, CacheInvalid
-    from ..model.engine import Engine
+    from ..model.loading import load_engine
 
-    engine = Engine.load(args.model, progress=say)
+    engine = load_engine(args.model, progress=say)
     for text in engine.notices:
         say(text)
     info = engine.info()

@@ -37,6 +37,7 @@ from .data import (
     cmd_summary,
     open_store,
 )
+from .images import checked_images, store_images
 from .inspection import cmd_inspect
 from .residents import cmd_ps, cmd_stop
 from .start import (
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-cache", action="store_true",
                    help="ignore the stored KV cache (full prefill), then store a fresh one")
     a.add_argument("--json", action="store_true", help="print one JSON object")
+    a.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image the message holds (repeat for more; a vision model: "
+                        "docs/images.md)")
     add_constraint_flags(a)
     add_tool_flags(a)
     add_thinking_flag(a)
@@ -288,6 +292,7 @@ def cmd_ask(args) -> int:
     wanted = constraint_request(args)  # (files read; checked before any model work)
     if wanted is not None and tools_wanted(args):
         raise BadInput("--format/--regex/--grammar go without --mcp/--allow-tools")
+    images = checked_images(args)  # (decoded whole before any model work; stored later)
     keep = keep_alive(args.keep_alive)
     store = open_store()
     known = store.find(args.conversation) if args.conversation else None
@@ -305,13 +310,13 @@ def cmd_ask(args) -> int:
     constraint = constraint_of(args) if wanted is not None else None
     session = session_for(model, args)
     try:
-        return _turn_here(args, session, prompt, constraint, calls)
+        return _turn_here(args, session, prompt, constraint, images, calls)
     finally:
         if turn is not None:  # none answered: this ask starts one for the next, now its
             turn.start()      # own turn is done (so this first ask costs what it did)
 
 
-def _turn_here(args, session, prompt, constraint, calls: list[dict]) -> int:
+def _turn_here(args, session, prompt, constraint, images, calls: list[dict]) -> int:
     """``ask``'s turn run in this process; the exit status."""
     from ..session.session import Cancel, TurnOptions
 
@@ -335,7 +340,8 @@ def _turn_here(args, session, prompt, constraint, calls: list[dict]) -> int:
     elif args.edit_last:
         events = session.edit_last(conv, prompt, options, cancel)
     else:
-        events = session.turn(conv, prompt, options, cancel)
+        events = session.turn(conv, prompt, options, cancel,
+                              images=store_images(session, images))
     return _report_turn(args, conv.name, events, cancel, calls)
 
 
@@ -343,7 +349,8 @@ def _resident_turn(args, prompt, model, wanted, keep: float):
     """The turn as the resident model process answers it (``resident/``); else a ``Starter``
     (run here, then start the resident) or None: run here (no resident for tools, which run
     the user's MCP servers from this process, nor for a split run; none with keep-alive 0)."""
-    if keep <= 0 or tools_wanted(args) or args.hosts or args.hostfile or os.name != "posix":
+    if keep <= 0 or tools_wanted(args) or args.hosts or args.hostfile or os.name != "posix" \
+            or args.image:  # (images: in this process for now)
         return None
     from ..resident.client import open_turn
     from ..resident.place import model_key

@@ -350,7 +350,8 @@ class Engine:
         return self._compute_dtype
 
     def prefill(self, tokens: list[int], cache: list,
-                chunk: int | Callable[[], int] = PREFILL_CHUNK, stepped: bool = False):
+                chunk: int | Callable[[], int] = PREFILL_CHUNK, stepped: bool = False,
+                before: list[int] | None = None):
         """Feed ``tokens`` (at least one) into ``cache``.
 
         Yields ``(done, total)`` after each chunk and returns the last position's logits
@@ -360,6 +361,8 @@ class Engine:
         before each chunk (a scheduler shrinks chunks while other turns wait to decode).
         ``stepped``: each model call is yielded as a ``Step`` instead of being run here, for a
         scheduler to run in the same call as other turns' decode steps (``session/scheduler.py``).
+        ``before``: the tokens the cache holds (a text model needs only the cache; a vision
+        model's positions depend on the images before: ``vision.py``).
         """
         import mlx.core as mx
 
@@ -403,6 +406,15 @@ class Engine:
             logits = self.model(mx.array(tokens[-1:])[None], cache=cache)[:, -1, :]
         mx.eval(logits)
         return logits
+
+    def resume_at(self, tokens: list[int], k: int) -> int:
+        """Where a turn may resume given a common prefix of ``k`` tokens with ``tokens``:
+        ``k`` for text (a vision model moves it back to the start of an image it would cut)."""
+        return k
+
+    def takes_images(self) -> bool:
+        """Whether a message may hold images (a vision model: ``vision.py``)."""
+        return False
 
     def can_verify(self) -> bool:
         """Whether speculative decoding (``session/speculative.py``) may stand in for

@@ -44,6 +44,9 @@ FINGERPRINTED_FILES = (
     "chat_template.json",
     "special_tokens_map.json",
     "generation_config.json",
+    # A vision model's image processor: how many tokens an image becomes (docs/images.md).
+    "preprocessor_config.json",
+    "processor_config.json",
 )
 
 

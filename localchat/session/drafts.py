@@ -170,7 +170,9 @@ class Drafts:
         ends = [on_disk] if bounded and start.pos < on_disk else []
         for end in ends + [target]:
             first = len(live.tokens)
-            steps = engine.prefill(tokens[first:end], live.cache, DRAFT_CHUNK)
+            steps = engine.prefill(tokens[first:end], live.cache, DRAFT_CHUNK,
+                                   **({"before": tokens[:first]} if engine.takes_images()
+                                      else {}))
             while not cancel.is_set():
                 try:
                     done, _ = next(steps)

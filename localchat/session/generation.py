@@ -179,6 +179,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
         prefill = engine.prefill(new_tokens[lo:hi], cache,
                                  **({"chunk": chunk} if chunk else {}),
+                                 **({"before": [*prior, *new_tokens[:lo]]}
+                                    if engine.takes_images() else {}),
                                  **({"stepped": True} if stepped else {}))
         while True:
             if stop():

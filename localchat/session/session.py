@@ -42,6 +42,7 @@ from ..kvcache import quality as kvquality
 from ..kvcache.folder import CacheFolder, CacheInvalid
 from ..kvcache.prefixes import PrefixPool
 from ..kvcache.sharing import MIN_SHARED, NoSharing, Sharing
+from ..model import loading
 from ..model.engine import Engine, now
 from ..model.replies import split_tool_calls
 from ..store.database import Conversation, Store
@@ -65,7 +66,8 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     Args:
         model: a model name for ``Engine.load`` (None: the default model).
         progress: one-line progress messages while a model is set up.
-        load_engine: ``Engine.load`` unless a test passes another loader.
+        load_engine: ``model.loading.load_engine`` (a text or vision model) unless a test
+            passes another loader.
         lock_timeout: seconds to wait for a conversation another process uses
             (default: ``LOCALCHAT_LOCK_TIMEOUT`` or 60).
         group: a ``cluster.group.Ring`` (rank 0) to run the model split over several processes.
@@ -75,9 +77,9 @@ def open_session(model: str | None = None, *, progress: Callable[[str], None] | 
     store = Store.open(paths.database_path())
     try:
         if group is None:
-            engine = (load_engine or Engine.load)(model, progress)
+            engine = (load_engine or loading.load_engine)(model, progress)
         else:
-            engine = Engine.load(model, progress, group=group)
+            engine = loading.load_engine(model, progress, group=group)
     except BaseException:
         store.close()
         raise
@@ -222,17 +224,24 @@ class Session:
 
     def turn(self, conv: Conversation, prompt: str | None,
              options: TurnOptions = TurnOptions(), cancel: Cancel | None = None,
-             ) -> Iterator[Event]:
+             images: tuple[str, ...] = ()) -> Iterator[Event]:
         """Run one turn: add ``prompt`` as the user's message (None: answer as it stands).
+
+        ``images``: content hashes of images stored in the data folder
+        (``store.images.ImageStore``) that the message holds, before its text.
 
         Yields:
             Notice, PrefillProgress and ReplyChunk events, then one TurnFinished.
         Raises:
             BadInput, ContextFull, ConversationBusy, ConversationNotFound, StorageError.
         """
-        if prompt is not None and not prompt.strip():
+        if prompt is not None and not prompt.strip() and not images:
             raise BadInput("empty prompt")
-        new = [] if prompt is None else [{"role": "user", "content": prompt}]
+        if images and not self.engine.takes_images():
+            raise BadInput(f"{self.engine.info().name} is a text model: it cannot take "
+                           "images (use a vision model: docs/images.md)")
+        new = [] if prompt is None else [{"role": "user", "content": prompt,
+                                          **({"images": list(images)} if images else {})}]
         yield from self.follow(conv, new, options, cancel or Cancel(), cut=None)
 
     def answer(self, conv: Conversation, new: list[dict], options: TurnOptions = TurnOptions(),

@@ -230,7 +230,7 @@ class TurnCache:
         if not cached or no_cache or (man is None and live is None):
             return Start(engine.new_cache(), 0, {})
         base = len(prior.tokens or ())  # what the disk holds
-        k = min(common_prefix(cached, tokens), len(tokens) - 1)
+        k = engine.resume_at(tokens, min(common_prefix(cached, tokens), len(tokens) - 1))
         changed = "" if k >= base else \
             f"re-rendered: the conversation differs {base - k} tokens back"
         fallback = ""

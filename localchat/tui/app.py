@@ -34,6 +34,7 @@ from .. import crashlog, paths
 from ..errors import LocalchatError
 from ..fmt import visible
 from ..model.engine import Engine
+from ..model.loading import load_engine as load_engine_of
 from ..model.resolve import DEFAULT_MODEL
 from ..session.session import Cancel, Session, open_session
 from ..store.database import Conversation, Store
@@ -110,7 +111,7 @@ class LocalchatApp(Actions, App):
         self.want_overflow = context_overflow  # (as the KV setting)
         self.want_conversation = conversation
         self.want_model = model
-        self.load_engine = load_engine or (lambda name, progress: Engine.load(name, progress))
+        self.load_engine = load_engine or (lambda name, progress: load_engine_of(name, progress))
         # None: the model's sampling defaults (``model/defaults.py``), its reply cap included.
         self.max_tokens, self.temp = max_tokens, temp
         self.speculate = speculate  # --speculate: prompt-lookup decoding (``speculative``)

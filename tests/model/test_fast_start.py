@@ -37,6 +37,8 @@ def test_ask_resumed_imports_no_transformers(tiny_model, tmp_path):
     assert "mlx_lm" in again and "tokenizers" in again and "jinja2" in again  # it did run
     assert "transformers" not in first | again, sorted(first | again)
     assert "huggingface_hub" not in again
+    # Images (docs/images.md): a text model's start imports neither mlx-vlm nor Pillow.
+    assert not {"mlx_vlm", "PIL"} & (first | again), sorted(first | again)
 
 
 def test_negative_control_mlx_lms_package_root_imports_transformers(tmp_path):

@@ -1,0 +1,37 @@
+"""``ask --image PATH``: the files checked before any model work, stored once the model is
+known to take images (``store/images.py``; docs/images.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import paths
+from ..errors import BadInput
+from .tooluse import tools_wanted
+
+
+def checked_images(args) -> list:
+    """``--image`` files read and decoded whole (``store.images.check``), nothing stored:
+    a bad one is one line before any model is loaded."""
+    if not args.image:
+        return []
+    if args.regenerate or args.edit_last or tools_wanted(args):
+        raise BadInput("--image goes with a new message, without --regenerate, --edit-last "
+                       "or --mcp/--allow-tools")
+    from ..store.images import check
+
+    return [check(Path(p)) for p in args.image]
+
+
+def store_images(session, images: list) -> tuple[str, ...]:
+    """Store checked images in the data folder once the model is known to take them; their
+    content hashes."""
+    if not images:
+        return ()
+    if not session.engine.takes_images():
+        raise BadInput(f"{session.engine.info().name} is a text model: it cannot take "
+                       "images (use a vision model: docs/images.md)")
+    from ..store.images import ImageStore
+
+    store = ImageStore(paths.images_dir())
+    return tuple(store.put(data, info).digest for data, _, info in images)
