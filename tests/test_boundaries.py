@@ -417,7 +417,7 @@ def test_ask_prints_a_reply_literally_on_a_terminal_and_as_it_is_when_piped(piec
     pictures, never obeyed; piped, the bytes are the reply's own. Its thinking the same."""
     import io
 
-    from localchat.cli.main import _print_turn
+    from localchat.cli.ask import print_turn
     from localchat.events import ReasoningChunk, ReplyChunk, TurnFinished
 
     class Out(io.StringIO):
@@ -429,7 +429,7 @@ def test_ask_prints_a_reply_literally_on_a_terminal_and_as_it_is_when_piped(piec
     out, real = Out(), sys.stdout
     sys.stdout = out
     try:
-        _print_turn(iter(events), False, type("C", (), {"set": lambda self: None})(),
+        print_turn(iter(events), False, type("C", (), {"set": lambda self: None})(),
                     show_thinking=True)
     finally:
         sys.stdout = real
