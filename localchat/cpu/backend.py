@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import probe
+from . import probe, threads
 from .derived import DerivedDamaged, load_checked, save_checked
 from .probe import Verdict
 from .runtime import load_global, matmul_gflops
@@ -40,6 +40,7 @@ class BlasStatus:
     disabled: bool = False  # LOCALCHAT_BLAS=off
     verdict: Verdict | None = None  # what the test run of ``path`` found (core, rate)
     refused: str = ""  # the candidates their test runs refused, and why (one line)
+    threads: str = ""  # a thread setting that could not be taken (``threads.install``)
 
 
 _status: BlasStatus | None = None
@@ -81,7 +82,9 @@ def prepare() -> BlasStatus:
         except OSError as err:
             errors.append(str(err).splitlines()[0])
             continue
-        _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors))
+        # Its thread count: pinned, OpenBLAS's own, or chosen while running (``threads.py``).
+        _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors),
+                             threads=threads.install(path) or "")
         return _status
     _status = BlasStatus(None, "; ".join(errors) if errors else "no libopenblas found")
     return _status
@@ -144,7 +147,8 @@ def blas_notice() -> str | None:
     if not sys.platform.startswith("linux") or status.disabled or not cpu_path():
         return None
     if status.path:
-        return f"{status.refused}; using {status.path}" if status.refused else None
+        said = [f"{status.refused}; using {status.path}"] if status.refused else []
+        return "; ".join(said + ([status.threads] if status.threads else [])) or None
     why = status.detail or "no libopenblas found"
     return (f"slow CPU path: no fast BLAS could be loaded ({why}); prefill and decode run "
             "~20x slower. Fix: `apt-get install libopenblas0` (or libgfortran5), or set "
