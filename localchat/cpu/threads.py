@@ -118,6 +118,7 @@ class _Kind:
     free: float = -1.0  # ... and of the cores left idle
     share: float = -1.0  # ... and of the CPU this process got of what its threads could use
     hint: int | None = None  # the other kind moved to this count: try it soon
+    tried: bool = False  # a trial has run
 
     def rate(self, count: int, last: int) -> float:
         """Tokens per second over the last ``last`` steps at ``count`` (0: none yet)."""
@@ -185,30 +186,32 @@ class Controller:
             self._judge(kind, state)
         elif (want := self._wanted(state)) is not None:
             state.trial, state.trial_steps, state.since, state.hint = want, 0, 0, None
+            state.tried = True
             state.samples.pop(want, None)  # a trial measures afresh
 
     def _wanted(self, state: _Kind) -> int | None:
-        """The count to try next, or None: the count the other kind moved to, at once; else
-        only with a rate for the current count, and not before ``dwell`` steps (doubled for
-        each trial that kept it); without the machine's word, only every ``interval`` steps
-        (doubled likewise)."""
+        """The count to try next, or None. The count the other kind moved to: at once. The
+        one the machine points to (fewer while other processes take cores, more while one
+        is free): at once the first time (a loaded machine makes every step at the wrong
+        count cost several), then not before ``dwell`` steps after the last trial or move
+        (doubled for each trial that kept the count). Otherwise, once the current count has
+        a rate over ``window`` steps, every ``interval`` steps (doubled likewise)."""
         p = self.policy
         if state.hint is not None and state.hint != state.choice:
-            return state.hint  # (the other kind found the machine changed: at once)
-        if len(state.samples.get(state.choice, ())) < p.window:
+            return state.hint
+        have = len(state.samples.get(state.choice, ()))
+        if not have:
             return None
         wait = 2 ** min(state.fails, 10)
         down, up = self._neighbours(state.choice)
-        if state.since >= min(p.dwell * wait, p.max_interval):
-            if down is not None and (state.others >= p.busy_cores or
-                                     0 <= state.share < p.low_share):
-                return down
-            if up is not None and state.free >= p.free_cores:
-                return up
-        if state.since >= min(p.interval * wait, p.max_interval):
-            if down is not None and (up is None or state.others >= p.busy_cores):
-                return down
-            return up
+        busy = state.others >= p.busy_cores or 0 <= state.share < p.low_share
+        pointed = down if down is not None and busy else \
+            up if up is not None and state.free >= p.free_cores else None
+        if pointed is not None and (not state.tried or
+                                    state.since >= min(p.dwell * wait, p.max_interval)):
+            return pointed
+        if have >= p.window and state.since >= min(p.interval * wait, p.max_interval):
+            return down if down is not None and (up is None or busy) else up
         return None
 
     def _judge(self, kind: str, state: _Kind) -> None:
