@@ -365,6 +365,7 @@ class Setting:
 _setting: Setting = Setting("none", 0)
 _meter: Meter | None = None
 _lib: Library | None = None
+_native: tuple[str, int] = ("", 0)  # the library's path and its own count, at the first install
 
 
 def read_setting(env: dict | None = None) -> tuple[str, int, str]:
@@ -386,25 +387,33 @@ def read_setting(env: dict | None = None) -> tuple[str, int, str]:
 
 
 def install(path: str, lib: Library | None = None) -> str | None:
-    """Apply this process's setting to the library ``backend.prepare`` loaded at ``path``.
-    Returns a one-line notice for a setting it cannot take (then: OpenBLAS's own count)."""
-    global _setting, _meter, _lib
+    """Apply this process's setting to the library ``backend.prepare`` loaded at ``path``
+    (again: a setting changed since, e.g. by a benchmark; ``auto`` and ``off`` start from
+    OpenBLAS's own count, as it was at the first call). Returns a one-line notice for a
+    setting it cannot take (then: OpenBLAS's own count)."""
+    global _setting, _meter, _lib, _native
+    _meter = None
+    try:
+        lib = lib or (_lib if _lib is not None and _native[0] == path else OpenBlas(path))
+    except (OSError, AttributeError):  # (not an OpenBLAS: nothing to set, nothing to say)
+        _setting, _lib = Setting("none", 0), None
+        return None
+    if _lib is not lib:
+        _lib, _native = lib, (path, lib.get())
+    native = _native[1]
     try:
         mode, count, why = read_setting()
     except ValueError as err:
-        _setting = Setting("off", 0, "")
-        return f"{err}; OpenBLAS's own thread count is used"
-    try:
-        lib = lib or OpenBlas(path)
-    except (OSError, AttributeError):  # (not an OpenBLAS: nothing to set, nothing to say)
-        _setting = Setting("none", 0)
-        return None
-    _lib = lib
-    if mode == "pinned" and why.startswith(ENV):
+        mode, count, why = "off", 0, ""
+        notice = f"{err}; OpenBLAS's own thread count is used"
+    else:
+        notice = None
+    if not (mode == "pinned" and why.startswith(ENV)):
+        count = native
+    if lib.get() != count:
         lib.set(count)
     _setting = Setting(mode, lib.get(), why)
-    _meter = None
-    return None
+    return notice
 
 
 def meter() -> Meter | None:
@@ -451,11 +460,15 @@ def summary() -> dict:
 
 
 def note() -> str:
-    """For the status bar: '' while the controller runs every thread, else e.g.
-    'BLAS 1 thread: decode 2 → 1 threads: 5.8 vs 1.0 tok/s (…)'."""
+    """For the status bar: '' while the controller runs every thread for decode, else e.g.
+    'BLAS 1 thread: 5.8 tok/s vs 1.0 with 2, other processes using 1.4 cores'."""
     found = _meter.controller if _meter is not None else None
     if not found or found.choices()["decode"] >= _setting.threads:
         return ""
     n = found.choices()["decode"]
-    last = found.last()
-    return f"BLAS {n} thread{'s' * (n != 1)}" + (f": {last.describe()}" if last else "")
+    head = f"BLAS {n} thread{'s' * (n != 1)}"
+    last = next((c for c in reversed(found.changes) if c.kind == "decode"), None)
+    if last is None or last.after != n:
+        return head
+    why = f", other processes using {last.others:.1f} cores" if last.others >= 0 else ""
+    return f"{head}: {last.rate_after:.1f} tok/s vs {last.rate_before:.1f} with {last.before}{why}"

@@ -407,6 +407,6 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
         bytes_written=written, miss_reason=reason,
         checkpoints=not engine.info().cut_anywhere, draft_tokens=draft,
         reasoning_tokens=run.reasoning_tokens, lookup_drafted=run.lookup.drafted,
-        lookup_accepted=run.lookup.accepted,
+        lookup_accepted=run.lookup.accepted, blas_threads=threads.note(),
         **({"constrained": run.grammar.spec.name, "forced_tokens": run.lookup.forced}
            if run.grammar is not None else {}))

@@ -217,9 +217,18 @@ def test_install_pins_refuses_a_bad_value_in_one_line_and_says_the_state(monkeyp
     assert meter is not None and threads.meter() is meter
     assert threads.note() == "" and threads.describe().startswith("auto: decode 2, prefill 2")
     drive(meter.controller, lambda i: True, 60)
-    assert threads.note().startswith("BLAS 1 thread: decode 2 → 1 threads:")
+    assert threads.note().startswith("BLAS 1 thread: 5.")
+    assert " tok/s vs " in threads.note()
+    assert "with 2, other processes using 2.0 cores" in threads.note()
     assert "last change decode 2 → 1 threads" in threads.describe()
     assert threads.summary()["decode"] == 1
+    # Auto again after a pin (a benchmark's settings in turn): from OpenBLAS's own count.
+    monkeypatch.setenv("LOCALCHAT_BLAS_THREADS", "1")
+    threads.install("unused")
+    assert lib.count == 1
+    monkeypatch.setenv("LOCALCHAT_BLAS_THREADS", "auto")
+    threads.install("unused")
+    assert lib.count == 2 and threads.meter().controller.choices()["decode"] == 2
     monkeypatch.setenv("LOCALCHAT_BLAS_THREADS", "off")
     threads.install("unused", FakeLib(2))  # as the suite runs
     assert threads.meter() is None
