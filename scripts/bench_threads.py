@@ -47,14 +47,13 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
     settings = [("1 thread", "1"), (f"{cores} threads", str(cores)), ("auto", "auto")]
     ids = engine.render([{"role": "user", "content": PROMPT * 8}])
     ids = ids[:max(0, prompt - 16)] + ids[-16:]  # (the end: the template's reply opening)
-    options = TurnOptions(max_tokens=tokens, speculate="off")
 
-    def turn(value: str, trial: int) -> dict:
+    def turn(value: str, tokens: int = tokens) -> dict:
         os.environ[threads.ENV] = value
         threads.install(path)
         run = Run()
-        list(generate(engine, ids, Start(engine.new_cache(), 0, {}), tokens, options,
-                      Cancel(), run))
+        list(generate(engine, ids, Start(engine.new_cache(), 0, {}), tokens,
+                      TurnOptions(max_tokens=tokens, speculate="off"), Cancel(), run))
         decode_s = (run.t_last or 0) - (run.t_ready or 0)
         got = threads.summary()
         return {"decode_tps": (len(run.generated) - 1) / decode_s if decode_s > 0 else 0.0,
@@ -62,12 +61,12 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
                 "tokens": run.generated, "choice": {k: got[k] for k in ("decode", "prefill")},
                 "last_change": got["last_change"]}
 
-    turn(str(cores), -1)  # warm-up
+    turn("1", 4)  # warm-up (one thread: all cores beside busy processes takes minutes)
     got: dict[str, list[dict]] = {name: [] for name, _ in settings}
     for trial in range(trials):
         shift = trial % len(settings)
         for name, value in settings[shift:] + settings[:shift]:
-            got[name].append(turn(value, trial))
+            got[name].append(turn(value))
     out = {}
     for name, runs in got.items():
         out[name] = {"decode_tps": benchlib.median([r["decode_tps"] for r in runs]),

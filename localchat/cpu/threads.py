@@ -153,9 +153,16 @@ class Controller:
 
     # -- per step
 
-    def before(self, kind: str) -> int:
-        """The count the next ``kind`` step runs with (set in the library now)."""
+    def before(self, kind: str, others: float = -1.0) -> int:
+        """The count the next ``kind`` step runs with (set in the library now). ``others``:
+        the cores other processes use, when known; before the first ``kind`` step, a busy
+        machine starts it on fewer threads (a one-step prefill has no later step to learn
+        in, and beside busy processes a step on every thread costs several)."""
         state = self.kinds[kind]
+        down = self._neighbours(state.choice)[0]
+        if not state.tried and not state.samples and others >= self.policy.busy_cores and \
+                down is not None:
+            state.trial, state.trial_steps, state.tried, state.others = down, 0, True, others
         want = state.trial if state.trial is not None else state.choice
         if want != self.current:
             self.lib.set(want)
@@ -301,8 +308,15 @@ class Meter:
         self._span: tuple[float, float, float] | None = None  # wall, cpu, machine busy
         self.others = -1.0
 
+    def start(self) -> None:
+        """Begin measuring what other processes use now (``install``: by the first step,
+        the model's loading has given the measure time)."""
+        self._measure_others(self.clock.wall(), self.clock.cpu())
+
     def begin(self, kind: str) -> None:
-        self.controller.before(kind)
+        if self.others < 0 and self._span is not None:  # (known since ``start``, once due)
+            self._measure_others(self.clock.wall(), self.clock.cpu())
+        self.controller.before(kind, self.others)
         self._kind, self._t, self._c = kind, self.clock.wall(), self.clock.cpu()
 
     def end(self, tokens: int) -> None:
@@ -363,7 +377,8 @@ class Setting:
 
 
 _setting: Setting = Setting("none", 0)
-_meter: Meter | None = None
+_meter: Meter | None = None  # made by ``install`` in auto mode; ``meter`` hands it out
+_on_cpu: bool | None = None  # the CPU path (asked once, after MLX is loaded)
 _lib: Library | None = None
 _native: tuple[str, int] = ("", 0)  # the library's path and its own count, at the first install
 
@@ -413,21 +428,22 @@ def install(path: str, lib: Library | None = None) -> str | None:
     if lib.get() != count:
         lib.set(count)
     _setting = Setting(mode, lib.get(), why)
+    if mode == "auto" and _setting.threads > 1:
+        _meter = Meter(Controller(lib))
+        _meter.start()
     return notice
 
 
 def meter() -> Meter | None:
     """The process's meter while the controller runs (``auto``, the CPU path), else None."""
-    global _meter
-    if _setting.mode != "auto" or _lib is None:
-        return None
+    global _meter, _on_cpu
     if _meter is None:
+        return None
+    if _on_cpu is None:
         from .backend import cpu_path
 
-        if not cpu_path() or _setting.threads < 2:
-            return None
-        _meter = Meter(Controller(_lib))
-    return _meter
+        _on_cpu = cpu_path()
+    return _meter if _on_cpu else None
 
 
 def describe() -> str:

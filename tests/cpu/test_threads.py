@@ -122,20 +122,20 @@ def test_wider_machines_step_through_counts():
 
 
 class ScriptedClock:
-    """Wall, CPU and the machine's busy seconds read from lists, one reading each call."""
+    """A machine on a script: the test sets the wall time; this process uses ``mine`` cores
+    and the whole machine ``machine`` cores (None: no /proc/stat)."""
 
-    def __init__(self, walls, cpus, busies, cores=2):
-        self.walls, self.cpus, self.busies, self.cores = iter(walls), iter(cpus), \
-            iter(busies), cores
+    def __init__(self, mine=1.0, machine=2.5, cores=2):
+        self.now, self.mine, self.machine, self.cores = 0.0, mine, machine, cores
 
     def wall(self):
-        return next(self.walls)
+        return self.now
 
     def cpu(self):
-        return next(self.cpus)
+        return self.now * self.mine
 
     def machine_busy(self):
-        return next(self.busies)
+        return None if self.machine is None else self.now * self.machine
 
 
 def test_meter_times_steps_and_measures_what_other_processes_use():
@@ -145,19 +145,28 @@ def test_meter_times_steps_and_measures_what_other_processes_use():
         def observe(self, *args, **kw):
             seen.append((args, kw))
 
-    # Steps of 0.3 s; this process uses 1 CPU second per wall second, the machine 2.5:
-    # other processes 1.5 cores (measured once 0.5 s have passed).
-    walls = [0.0, 0.3, 0.3, 0.6, 0.6, 0.9]
-    cpus = [0.0, 0.3, 0.3, 0.6, 0.6, 0.9]
-    busies = [0.0, 1.5, 2.25]
-    meter = Meter(Recording(FakeLib()), ScriptedClock(walls, cpus, busies))
+    # Steps of 0.3 s; this process uses 1 core, the machine 2.5: other processes 1.5 cores
+    # (measured once 0.5 s have passed).
+    clock = ScriptedClock()
+    meter = Meter(Recording(FakeLib()), clock)
     for _ in range(3):
         meter.begin("decode")
+        clock.now += 0.3
         meter.end(1)
     (a1, _), (a2, _), (a3, _) = seen
     assert a1[:2] == ("decode", 1) and a1[2] == pytest.approx(0.3) and a1[4:] == (-1.0, 0)
+    assert a1[3] == pytest.approx(0.3)
     assert a2[4:] == (-1.0, 0)  # 0.3 s into the span: not yet
-    assert a3[4] == pytest.approx(1.5, abs=1e-9) and a3[5] == 2
+    assert a3[4] == pytest.approx(1.5) and a3[5] == 2
+    # Started ahead (at install), the first step already knows; beside busy processes it
+    # runs on fewer threads from its first step (control: a quiet machine keeps them all).
+    for machine, want in ((3.0, 1), (1.2, 2)):
+        clock = ScriptedClock(machine=machine)
+        early = Meter(Controller(FakeLib()), clock)
+        early.start()
+        clock.now += 2.0  # the model loads
+        early.begin("prefill")
+        assert early.controller.current == want and early.others == pytest.approx(machine - 1)
 
 
 def test_timed_passes_items_and_the_return_value_and_closes_what_it_wraps():
@@ -171,7 +180,7 @@ def test_timed_passes_items_and_the_return_value_and_closes_what_it_wraps():
         finally:
             closed.append(True)
 
-    meter = Meter(Controller(FakeLib()), ScriptedClock(range(100), range(100), [None] * 100))
+    meter = Meter(Controller(FakeLib()), ScriptedClock(machine=None))
     counted = []
     wrapped = meter.timed("prefill", steps(), lambda item: counted.append(item) or 1)
     assert next(wrapped) == 5 and next(wrapped) == 6
@@ -212,7 +221,7 @@ def test_install_pins_refuses_a_bad_value_in_one_line_and_says_the_state(monkeyp
     monkeypatch.setenv("LOCALCHAT_BLAS_THREADS", "auto")
     lib = FakeLib(2)
     assert threads.install("unused", lib) is None
-    monkeypatch.setattr("localchat.cpu.backend.cpu_path", lambda: True)
+    monkeypatch.setattr(threads, "_on_cpu", True)  # (asked of MLX once, else)
     meter = threads.meter()
     assert meter is not None and threads.meter() is meter
     assert threads.note() == "" and threads.describe().startswith("auto: decode 2, prefill 2")
