@@ -10,6 +10,7 @@ Two changes make it fast there:
   ``cmeel-openblas`` wheel (a Linux dependency of localchat); ``LOCALCHAT_BLAS=off`` disables
   it. Loading (and the libgfortran the wheel needs) is ``runtime.py``. When no fast BLAS
   loads, or one was refused, ``blas_notice()`` says why and how to fix it, once, in one line.
+  Its thread count is then set or left to be chosen while running (``threads.install``).
 - ``tune(model)``, after loading, dequantizes quantized layers to float32 when the default
   device is the CPU, so every matmul goes through that BLAS (measured on the default model:
   prefill 10 → 320 tok/s, decode 9 → 21 tok/s; float16 on CPU is slower than float32). The
@@ -141,7 +142,8 @@ def _cpu_path_allowed() -> bool:
 
 def blas_notice() -> str | None:
     """One line for the user, or None: a BLAS was refused by its test run (which, why, and which
-    one is used instead), or a Linux CPU run is on the slow reference BLAS (why, and the fix).
+    one is used instead), a thread setting could not be taken, or a Linux CPU run is on the
+    slow reference BLAS (why, and the fix).
     """
     status = prepare()
     if not sys.platform.startswith("linux") or status.disabled or not cpu_path():
