@@ -85,7 +85,7 @@ def prepare() -> BlasStatus:
             continue
         # Its thread count: pinned, OpenBLAS's own, or chosen while running (``threads.py``).
         _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors),
-                             threads=threads.install(path) or "")
+                             threads=threads.install(path, on_cpu=cpu_path) or "")
         return _status
     _status = BlasStatus(None, "; ".join(errors) if errors else "no libopenblas found")
     return _status

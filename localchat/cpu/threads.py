@@ -378,7 +378,7 @@ class Setting:
 
 _setting: Setting = Setting("none", 0)
 _meter: Meter | None = None  # made by ``install`` in auto mode; ``meter`` hands it out
-_on_cpu: bool | None = None  # the CPU path (asked once, after MLX is loaded)
+_on_cpu: bool | Callable[[], bool] = False  # the CPU path, or how to ask (once MLX is loaded)
 _lib: Library | None = None
 _native: tuple[str, int] = ("", 0)  # the library's path and its own count, at the first install
 
@@ -401,13 +401,17 @@ def read_setting(env: dict | None = None) -> tuple[str, int, str]:
     return "auto", 0, ""
 
 
-def install(path: str, lib: Library | None = None) -> str | None:
+def install(path: str, lib: Library | None = None,
+            on_cpu: Callable[[], bool] | None = None) -> str | None:
     """Apply this process's setting to the library ``backend.prepare`` loaded at ``path``
     (again: a setting changed since, e.g. by a benchmark; ``auto`` and ``off`` start from
     OpenBLAS's own count, as it was at the first call). Returns a one-line notice for a
-    setting it cannot take (then: OpenBLAS's own count)."""
-    global _setting, _meter, _lib, _native
+    setting it cannot take (then: OpenBLAS's own count). ``on_cpu``: whether MLX runs on
+    the CPU (``backend.cpu_path``, asked at the first ``meter()``; given once is enough)."""
+    global _setting, _meter, _lib, _native, _on_cpu
     _meter = None
+    if on_cpu is not None:
+        _on_cpu = on_cpu
     try:
         lib = lib or (_lib if _lib is not None and _native[0] == path else OpenBlas(path))
     except (OSError, AttributeError):  # (not an OpenBLAS: nothing to set, nothing to say)
@@ -439,10 +443,8 @@ def meter() -> Meter | None:
     global _meter, _on_cpu
     if _meter is None:
         return None
-    if _on_cpu is None:
-        from .backend import cpu_path
-
-        _on_cpu = cpu_path()
+    if not isinstance(_on_cpu, bool):
+        _on_cpu = bool(_on_cpu())
     return _meter if _on_cpu else None
 
 
