@@ -96,12 +96,14 @@ class Change:
     others: float  # cores other processes used meanwhile (-1: not known)
 
     def describe(self) -> str:
-        """E.g. 'decode 2 → 1 threads: 5.8 vs 1.0 tok/s (other processes used 1.4 cores)'."""
+        """E.g. 'decode 2 → 1 threads: 5.8 tok/s vs 1.0 (other processes used 1.4 cores)'."""
         why = ""
         if self.others >= 0:
             why = f" (other processes used {self.others:.1f} cores)"
-        return (f"{self.kind} {self.before} → {self.after} threads: {self.rate_after:.1f} vs "
-                f"{self.rate_before:.1f} tok/s{why}")
+        was = f" vs {self.rate_before:.1f}" if self.rate_before else \
+            f" (from its first step: none at {self.before} yet)"
+        return f"{self.kind} {self.before} → {self.after} threads: {self.rate_after:.1f}" \
+            f" tok/s{was}{why}"
 
 
 @dataclass
@@ -489,4 +491,5 @@ def note() -> str:
     if last is None or last.after != n:
         return head
     why = f", other processes using {last.others:.1f} cores" if last.others >= 0 else ""
-    return f"{head}: {last.rate_after:.1f} tok/s vs {last.rate_before:.1f} with {last.before}{why}"
+    was = f" vs {last.rate_before:.1f} with {last.before}" if last.rate_before else ""
+    return f"{head}: {last.rate_after:.1f} tok/s{was}{why}"

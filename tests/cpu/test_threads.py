@@ -62,7 +62,8 @@ def test_drops_to_one_thread_under_a_competitor_and_comes_back_when_it_leaves():
     assert moves == [(2, 1), (1, 2)]
     assert ctl.changes[0].rate_after > 1.5 * ctl.changes[0].rate_before
     assert ctl.changes[0].describe().startswith("decode 2 → 1 threads: 5.")
-    assert "tok/s (other processes used 1." in ctl.changes[0].describe()
+    assert " tok/s vs 3.2 " in ctl.changes[0].describe()
+    assert "(other processes used 1." in ctl.changes[0].describe()
     assert lib.count == 2
     # Without the machine's word (no /proc/stat, no CPU time): periodic trials alone find
     # it, later.
@@ -167,6 +168,18 @@ def test_meter_times_steps_and_measures_what_other_processes_use():
         clock.now += 2.0  # the model loads
         early.begin("prefill")
         assert early.controller.current == want and early.others == pytest.approx(machine - 1)
+    # That move has no rate at the count it left: said so, not as 0 tok/s.
+    for _ in range(4):
+        early = Meter(Controller(FakeLib()), clock := ScriptedClock(machine=3.0))
+        early.start()
+        clock.now += 2.0
+    for _ in range(4):
+        early.begin("decode")
+        clock.now += 0.2
+        early.end(1)
+    said = early.controller.last().describe()
+    assert said.startswith("decode 2 → 1 threads: 5.0 tok/s (from its first step: none at 2")
+    assert "0.0" not in said
 
 
 def test_timed_passes_items_and_the_return_value_and_closes_what_it_wraps():
