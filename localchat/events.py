@@ -99,6 +99,7 @@ class Usage:
     lookup_accepted: int = 0  # of those, the ones the model agreed with (in the reply)
     constrained: str = ""  # the reply's constraint ("json_schema", "regex", …; "": free)
     forced_tokens: int = 0  # of completion_tokens: those the grammar allowed alone
+    blas_threads: str = ""  # the BLAS runs fewer threads than cores, and why (``cpu/threads``)
 
     @classmethod
     def of(cls, *, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
@@ -107,7 +108,7 @@ class Usage:
            miss_reason: str = "", checkpoints: bool = False, draft_tokens: int = 0,
            reasoning_tokens: int = 0, lookup_drafted: int = 0,
            lookup_accepted: int = 0, decode_from: float | None = None,
-           constrained: str = "", forced_tokens: int = 0) -> Usage:
+           constrained: str = "", forced_tokens: int = 0, blas_threads: str = "") -> Usage:
         """Build the record from counts and clock readings (``time.perf_counter``).
 
         Args:
@@ -141,6 +142,7 @@ class Usage:
             lookup_accepted=lookup_accepted,
             constrained=constrained,
             forced_tokens=forced_tokens,
+            blas_threads=blas_threads,
         )
 
     @property

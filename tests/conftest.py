@@ -22,6 +22,9 @@ os.environ["LOCALCHAT_HOME"] = _HOME
 # No resident model process unless a test starts one on purpose (``tests/resident``): each
 # ``ask`` loads its model in its own process, as the tests of its behaviour expect.
 os.environ["LOCALCHAT_KEEP_ALIVE"] = "0"
+# OpenBLAS's own thread count, not one chosen while running (``cpu/threads.py``): timings and
+# batched rounding stay as they were; the controller's own tests turn it on.
+os.environ["LOCALCHAT_BLAS_THREADS"] = "off"
 
 from localchat.cpu import backend  # noqa: E402
 

@@ -54,6 +54,13 @@ def _blas(r: dict) -> None:
     assert all(x["quiet"]["decode_tps"] > 0 and x["loaded"]["decode_tps"] > 0 for x in timed)
 
 
+def _threads(r: dict) -> None:
+    assert set(r["states"]) == {"quiet", "loaded"} and set(r["ratios"]) == {"quiet", "loaded"}
+    for state in r["states"].values():
+        assert state["settings"][0] == "1 thread" and state["settings"][2] == "auto"
+        assert all(state["figures"][s]["decode_tps"] > 0 for s in state["settings"])
+
+
 def _cluster(r: dict) -> None:
     # The tiny llama splits by heads (4 heads, 2 KV heads over 2 ranks), not by layers.
     assert [row["mode"] for row in r["rows"]] == ["one process", "tensor"]
@@ -216,6 +223,7 @@ CASES = {
     "structured": Case({"cap", "prompts_per_schema", "validity", "valid_total", "replies",
                         "decode_tps", "trials", "forced_tokens", "mask_ratio", "forced_ratio"},
                        _structured),
+    "threads": Case({"states", "ratios"}, _threads),
     "windows": Case({"layer_mix", "windows", "calibration_s", "measured_s", "ratios",
                      "worst_error"}, _windows, model=False),
 }

@@ -32,7 +32,7 @@ def cmd_inspect(args) -> int:
         print(json.dumps(as_json(found), ensure_ascii=False) if args.json
               else "\n".join(as_lines(found)))
         return 0
-    from ..cpu import backend
+    from ..cpu import backend, threads
     from ..kvcache import budget
     from ..kvcache.folder import CacheFolder, CacheInvalid
     from ..model.loading import load_engine
@@ -64,6 +64,7 @@ def cmd_inspect(args) -> int:
            "cache_tokens_on_disk": tokens, "cache_bytes_on_disk": mine,
            "all_caches_bytes_on_disk": budget.disk_use(root)[0],
            "cache_limit_bytes": budget.cache_limit(root), "blas": blas,
+           "blas_threads": threads.summary(),
            # What the app and serve sample with when left unset, and where each came from.
            "sampling_defaults": {name: {"value": getattr(sampling, name),
                                         "source": sampling.sources[name]}
@@ -88,6 +89,7 @@ def cmd_inspect(args) -> int:
         ("all caches", f"{human_bytes(budget.disk_use(root)[0])} of "
          f"{human_bytes(budget.cache_limit(root))} (LOCALCHAT_CACHE_LIMIT)"),
         ("matmuls", blas),
+        ("BLAS threads", threads.describe()),
         ("tokenizer", info.tokenizer),
         ("reply ends at", ", ".join(repr(engine.decode_text([t])) for t in sorted(ends.ends))
          + f" ({', '.join(ends.sources)})"),

@@ -10,6 +10,7 @@ Two changes make it fast there:
   ``cmeel-openblas`` wheel (a Linux dependency of localchat); ``LOCALCHAT_BLAS=off`` disables
   it. Loading (and the libgfortran the wheel needs) is ``runtime.py``. When no fast BLAS
   loads, or one was refused, ``blas_notice()`` says why and how to fix it, once, in one line.
+  Its thread count is then set or left to be chosen while running (``threads.install``).
 - ``tune(model)``, after loading, dequantizes quantized layers to float32 when the default
   device is the CPU, so every matmul goes through that BLAS (measured on the default model:
   prefill 10 → 320 tok/s, decode 9 → 21 tok/s; float16 on CPU is slower than float32). The
@@ -25,7 +26,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import probe
+from . import probe, threads
 from .derived import DerivedDamaged, load_checked, save_checked
 from .probe import Verdict
 from .runtime import load_global, matmul_gflops
@@ -40,6 +41,7 @@ class BlasStatus:
     disabled: bool = False  # LOCALCHAT_BLAS=off
     verdict: Verdict | None = None  # what the test run of ``path`` found (core, rate)
     refused: str = ""  # the candidates their test runs refused, and why (one line)
+    threads: str = ""  # a thread setting that could not be taken (``threads.install``)
 
 
 _status: BlasStatus | None = None
@@ -81,7 +83,9 @@ def prepare() -> BlasStatus:
         except OSError as err:
             errors.append(str(err).splitlines()[0])
             continue
-        _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors))
+        # Its thread count: pinned, OpenBLAS's own, or chosen while running (``threads.py``).
+        _status = BlasStatus(path, "", verdict=verdict, refused="; ".join(errors),
+                             threads=threads.install(path, on_cpu=cpu_path) or "")
         return _status
     _status = BlasStatus(None, "; ".join(errors) if errors else "no libopenblas found")
     return _status
@@ -138,13 +142,15 @@ def _cpu_path_allowed() -> bool:
 
 def blas_notice() -> str | None:
     """One line for the user, or None: a BLAS was refused by its test run (which, why, and which
-    one is used instead), or a Linux CPU run is on the slow reference BLAS (why, and the fix).
+    one is used instead), a thread setting could not be taken, or a Linux CPU run is on the
+    slow reference BLAS (why, and the fix).
     """
     status = prepare()
     if not sys.platform.startswith("linux") or status.disabled or not cpu_path():
         return None
     if status.path:
-        return f"{status.refused}; using {status.path}" if status.refused else None
+        said = [f"{status.refused}; using {status.path}"] if status.refused else []
+        return "; ".join(said + ([status.threads] if status.threads else [])) or None
     why = status.detail or "no libopenblas found"
     return (f"slow CPU path: no fast BLAS could be loaded ({why}); prefill and decode run "
             "~20x slower. Fix: `apt-get install libopenblas0` (or libgfortran5), or set "

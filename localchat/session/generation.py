@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..cpu import threads
 from ..events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Step, Usage
 from ..kvcache import kinds as ck
 from ..model.engine import Engine, now
@@ -176,12 +177,17 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     t = now()
     total = len(new_tokens)
     logits = None
+    # The BLAS thread count, chosen step by step (``cpu/threads.py``; under a scheduler it
+    # times its rounds itself).
+    meter = None if stepped else threads.meter()
     for lo, hi in ((0, cut), (cut, total)) if cut and cut < total else ((0, total),):
         prefill = engine.prefill(new_tokens[lo:hi], cache,
                                  **({"chunk": chunk} if chunk else {}),
                                  **({"before": [*prior, *new_tokens[:lo]]}
                                     if engine.takes_images() else {}),
                                  **({"stepped": True} if stepped else {}))
+        if meter is not None:
+            prefill = meter.timed("prefill", prefill, chunk_tokens(hi - lo))
         while True:
             if stop():
                 run.stopped = True
@@ -232,6 +238,8 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
     steps = speculative.decode(engine, cache, logits, max_tokens, options,
                                [*prior, *new_tokens], run.lookup, stepped, may_draft,
                                grammar=run.grammar, **gate)
+    if meter is not None:
+        steps = meter.timed("decode", steps, decode_tokens())
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
@@ -304,6 +312,35 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         run.checkpoints.append(ck.capture(cache, run.fed))
 
 
+def chunk_tokens(total: int) -> Callable[[object], int]:
+    """For ``Meter.timed``: the tokens each prefill progress event (``(done, total)``) adds,
+    and those of the pass that ends it (``None``)."""
+    done = 0
+
+    def tokens(item) -> int:
+        nonlocal done
+        now_done = total if item is None else item[0] if isinstance(item, tuple) else done
+        added, done = now_done - done, now_done
+        return added
+
+    return tokens
+
+
+def decode_tokens() -> Callable[[object], int]:
+    """For ``Meter.timed``: one token per id, except the first (drawn from the prompt's
+    logits, with no model call), and none for the end."""
+    seen = 0
+
+    def tokens(item) -> int:
+        nonlocal seen
+        if not isinstance(item, int):
+            return 0
+        seen += 1
+        return int(seen > 1)
+
+    return tokens
+
+
 def opened_in_prompt(engine: Engine, markers: tuple[str, str] | None,
                      tokens: list[int]) -> bool:
     """Whether the template opened the reasoning at the end of the prompt (``<think>\n``)."""
@@ -372,6 +409,6 @@ def usage_of(engine: Engine, tokens: list[int], k: int, run: Run, t0: float, *,
         bytes_written=written, miss_reason=reason,
         checkpoints=not engine.info().cut_anywhere, draft_tokens=draft,
         reasoning_tokens=run.reasoning_tokens, lookup_drafted=run.lookup.drafted,
-        lookup_accepted=run.lookup.accepted,
+        lookup_accepted=run.lookup.accepted, blas_threads=threads.note(),
         **({"constrained": run.grammar.spec.name, "forced_tokens": run.lookup.forced}
            if run.grammar is not None else {}))

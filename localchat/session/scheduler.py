@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from ..cpu import threads
 from ..events import Notice, PrefillProgress, Step
 from .batchstep import batch_refusal, fusion_refusal, run_steps
 
@@ -287,6 +288,11 @@ class Scheduler:
             calls = [stepping]
         else:  # each chunk as a pass of its own, then the decode steps batched
             calls = [[t] for t in chunks] + [[t for t in stepping if t not in chunks]]
+        # The BLAS thread count for this round (``cpu/threads.py``): a round with a prompt
+        # chunk counts as prefill (its tokens), one of decode steps as one decode step.
+        meter = threads.meter()
+        if meter is not None:
+            meter.begin("prefill" if chunk_tokens else "decode")
         for call in calls:
             self._call(call, stepping)
         self.steps, self.rows = self.steps + 1, self.rows + len(stepping)
@@ -294,6 +300,8 @@ class Scheduler:
         for t in stepping:
             t.step = None
             self._advance(t)
+        if meter is not None:
+            meter.end(chunk_tokens or 1)
         self.pace.stepped(time.perf_counter() - t0, chunk_tokens, decoding)
 
     def _call(self, call: list, stepping: list) -> None:

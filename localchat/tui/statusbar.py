@@ -51,6 +51,8 @@ def usage_parts(usage: Usage) -> list[Part]:
         Part(f"KV {human_bytes(usage.cache_bytes)}", 8),
         *([Part("checkpoints", 9)] if usage.checkpoints else []),
     ]
+    if usage.blas_threads:  # fewer BLAS threads than cores: other processes hold some
+        parts.append(Part(usage.blas_threads, 11, short=usage.blas_threads.split(":")[0]))
     if usage.lookup_drafted:  # prompt lookup (``session/speculative.py``): drafts the model took
         parts.append(Part(f"lookup {usage.lookup_accepted}/{usage.lookup_drafted} taken", 10))
     return parts

@@ -59,6 +59,18 @@ def test_prompt_lookup_shows_drafts_taken_only_when_it_drafted():
     assert "lookup" not in fit(usage_parts(looked), 80)
 
 
+def test_fewer_blas_threads_are_said_with_why_and_shortened_on_a_narrow_bar():
+    import dataclasses
+
+    why = "BLAS 1 thread: 5.8 tok/s vs 1.0 with 2, other processes using 1.4 cores"
+    dropped = dataclasses.replace(USAGE, blas_threads=why)
+    assert why in fit(usage_parts(dropped), 400)
+    narrow = fit(usage_parts(dropped), 80)
+    assert "BLAS 1 thread" in narrow and "other processes" not in narrow
+    assert "hit" in narrow and "decode 45.1 tok/s" in narrow
+    assert "BLAS" not in fit(usage_parts(USAGE), 400)  # (every thread: nothing said)
+
+
 async def test_at_80_columns_the_app_shows_hit_ttft_and_decode(make_app):
     app, _ = make_app(["Paris is the capital of France and its largest city by far."])
     async with app.run_test(size=(80, 30)) as pilot:
