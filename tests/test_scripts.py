@@ -306,7 +306,7 @@ def test_sampling_uncut_says_where_the_loop_check_would_cut(bench_model: Path, t
     size is not."""
     import importlib.util
 
-    from localchat.session.generation import LOOP_LEAST, looping
+    from localchat.model.loops import LOOP_LEAST, looping
 
     spec = importlib.util.spec_from_file_location("bench_sampling",
                                                   SCRIPTS / "bench_sampling.py")

@@ -30,6 +30,8 @@ import numpy as np
 
 from localchat.errors import LocalchatError
 
+from .loops import looping
+
 if TYPE_CHECKING:
     import llguidance
     import mlx.core as mx
@@ -294,7 +296,15 @@ class ConstraintUsage:  # what a constrained turn adds to its usage record
 class Matcher:
     """One turn's grammar state: mask before sampling, ``consume`` each kept token. Ids past
     the tokenizer's vocabulary (a padded embedding) are refused. A refused token never reaches
-    llguidance (it would leave the matcher in error for good): ``consume`` checks first."""
+    llguidance (it would leave the matcher in error for good): ``consume`` checks first.
+
+    A reply that loops (``loops.looping`` on the tokens consumed: the default model writes one
+    Korean phrase inside a JSON string over and over) would run to its cap and end invalid; so
+    from the token where the loop shows, the mask keeps only the tokens that close something
+    (``"``, ``}``, ``]`` and their runs) and the ends, wherever the grammar allows any of them:
+    the reply finishes its shape, valid, in a few tokens. ``closing`` says so. The state is a
+    function of the tokens consumed (rolled back with them), so a verify pass's rows
+    (``masks``) are the masks plain decoding would use, token for token."""
 
     def __init__(self, spec: ConstraintSpec, tokenizer: llguidance.LLTokenizer):
         self.spec = spec
@@ -307,6 +317,13 @@ class Matcher:
         self._ended, self._fed = False, 0
         self._offered: list[int] = []  # what ``forced`` offered and is not consumed yet
         self.forced_count = 0
+        self._tokens: list[int] = []  # consumed (an end included), for the loop check
+        self._closing_at: int | None = None  # len(_tokens) where a loop showed
+        self._tokenizer = tokenizer
+
+    @property
+    def closing(self) -> bool:  # the reply looped: it is being steered to close its shape
+        return self._closing_at is not None
 
     @property
     def accepting(self) -> bool:  # an end is allowed now: the text so far is complete
@@ -337,6 +354,10 @@ class Matcher:
         if not self._m.is_error():
             self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self._raise_error()
+        if self._closing_at is not None:
+            closing = row & closers(self._tokenizer, self.words)
+            if closing.any():
+                row[:] = closing
         return row
 
     def _raise_error(self) -> None:  # a limit met on the way (refusals never reach llguidance)
@@ -379,6 +400,9 @@ class Matcher:
         elif self._m.consume_token(token):
             self._fed += 1
         self._raise_error()
+        self._tokens.append(token)
+        if self._closing_at is None and looping(self._tokens):
+            self._closing_at = len(self._tokens)
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next, as the tokenizer would write them (field names,
@@ -411,14 +435,45 @@ class Matcher:
         self._offered = []
 
     def _undo(self, n: int) -> None:
+        total = n
         if n > 0 and self._ended:
             self._ended, n = False, n - 1
         if n > self._fed or (n > 0 and not self._m.rollback(n)):
             raise ValueError(f"cannot roll back {n} tokens ({self._fed} consumed)")
         self._fed -= max(n, 0)
+        if total > 0:
+            del self._tokens[-total:]
+        if self._closing_at is not None and len(self._tokens) < self._closing_at:
+            self._closing_at = None
 
     def describe(self) -> ConstraintUsage:  # for the turn's usage record
         return ConstraintUsage(self.spec.name, self.forced_count, self.stopped or self.accepting)
+
+
+_CLOSERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def closers(tokenizer: llguidance.LLTokenizer, words: int) -> np.ndarray:
+    """The mask, int32 [words], of the tokens that close something: text of ``"``, ``}`` and
+    ``]`` only (with spaces around), and the ends (built once per tokenizer: ~50 ms)."""
+    try:
+        return _CLOSERS[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: built each time (only once a reply loops)
+        return _closers(tokenizer, words)
+    return _CLOSERS.setdefault(tokenizer, _closers(tokenizer, words))
+
+
+def _closers(tokenizer: llguidance.LLTokenizer, words: int) -> np.ndarray:
+    mask = np.zeros(words, dtype=np.uint32)
+    for t in range(tokenizer.vocab_size):
+        text = tokenizer.decode_bytes([t]).strip()
+        if text and not text.strip(b'"}]') and not tokenizer.is_special_token(t):
+            mask[t // 32] |= np.uint32(1 << (t % 32))
+    for t in tokenizer.eos_tokens:
+        mask[t // 32] |= np.uint32(1 << (t % 32))
+    return mask.view(np.int32)
 
 
 # -- masks on MLX logits ------------------------------------------------------------------------

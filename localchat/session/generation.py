@@ -21,6 +21,7 @@ from ..cpu import threads
 from ..events import Event, Notice, PrefillProgress, ReasoningChunk, ReplyChunk, Step, Usage
 from ..kvcache import kinds as ck
 from ..model.engine import Engine, now
+from ..model.loops import loop_span, looping
 from ..model.replies import ReasoningStream, split_reasoning, thinking_markers
 from . import speculative
 from .turncache import Start
@@ -110,38 +111,6 @@ class Run:
     def thinking_seconds(self) -> float:
         """What the reasoning took, as stored with the reply and shown by the app."""
         return round(self.thinking_s, 1)
-
-
-# A sampled reply that ends in LOOP_REPEATS copies of one stretch of at most LOOP_PERIOD
-# tokens, LOOP_LEAST tokens of them at least, is cut (finish "length", with a notice): the
-# default model sampled at serve's defaults once wrote ", laQUEE" from its ~700th token to its
-# 2,048-token cap (issue 35). Measured on its loops at its own 0.2 / top-p 0.9 (7 prompts x 10
-# seeds, 256-token cap, loops left to run): the three exact loops were caught at 48-63 tokens
-# (a flat 128-token span had taken 128-143), and none of the 64 replies that end on their own
-# (counting, days of the week, "hello" five times among them) holds 48 tokens of 4 copies.
-# Greedy replies (ask and batch, for scripts) are left as they are: reproducible, and bounded
-# by their cap.
-LOOP_LEAST = 48
-LOOP_REPEATS = 4
-LOOP_PERIOD = 32
-
-
-def loop_span(period: int) -> int:
-    """How many tokens of repeats of a ``period``-token stretch make a loop."""
-    return max(LOOP_LEAST, LOOP_REPEATS * period)
-
-
-def looping(ids: list[int], period: int = LOOP_PERIOD) -> int:
-    """The period p of the loop ``ids`` ends in (its last ``loop_span(p)`` tokens repeat a
-    stretch of p <= ``period`` tokens), or 0."""
-    for p in range(1, period + 1):
-        span = loop_span(p)
-        if len(ids) < span:
-            return 0  # (the span only grows with p)
-        tail = ids[-span:]
-        if all(tail[j] == tail[j - p] for j in range(p, span)):  # (stops at the first miss)
-            return p
-    return 0
 
 
 def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: int,
@@ -240,6 +209,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
                                grammar=run.grammar, **gate)
     if meter is not None:
         steps = meter.timed("decode", steps, decode_tokens())
+    closing_said = False
     try:
         for tok in steps:
             if not isinstance(tok, int):  # a Step: the scheduler runs it, then this goes on
@@ -273,7 +243,10 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
             if text.stop is not None:
                 run.finish, run.stop_sequence = "stop_sequence", text.stop
                 break
-            if options.temp > 0 and (period := looping(run.generated)):
+            if run.grammar is not None and run.grammar.closing and not closing_said:
+                closing_said = True
+                yield Notice("the reply repeated itself: from there it only closes its shape")
+            if options.temp > 0 and run.grammar is None and (period := looping(run.generated)):
                 run.finish = "length"
                 yield Notice(f"reply cut: it repeated the same {period} tokens over its last "
                              f"{loop_span(period)}")

@@ -198,7 +198,7 @@ def test_a_reply_stuck_in_a_loop_is_cut_with_a_notice_and_the_next_turn_appends(
     import re
 
     from localchat.events import Notice
-    from localchat.session.generation import LOOP_LEAST, LOOP_PERIOD, LOOP_REPEATS, loop_span
+    from localchat.model.loops import LOOP_LEAST, LOOP_PERIOD, LOOP_REPEATS, loop_span
 
     after = "Seoul, la France, le Canada, la France, le Canada."  # repeats, but no loop
     # Repeats a reply means, under the loop's size: four copies of a short stretch in fewer
