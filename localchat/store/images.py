@@ -143,6 +143,12 @@ class ImageStore:
             return None  # (never a path from a message: only hex names are looked up)
         return next(iter(sorted(self.root.glob(f"{digest}.*"))), None)
 
+    def discard(self, digest: str) -> None:
+        """Remove the stored file of ``digest`` (one no message holds any more)."""
+        path = self.find(digest)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def open(self, digest: str):
         """The stored image ``digest``, decoded and checked against its hash.
 
