@@ -137,7 +137,7 @@ MIGRATIONS = [
     """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
-IMAGES_CHAINED = 13  # from which the chains cover images (conversations with images rechained)
+IMAGES_CHAINED = 12  # from which the chains cover images (conversations with images rechained)
 
 
 def chain_seed(system: str | None) -> bytes:
