@@ -1,7 +1,8 @@
 """``localchat batch``: many prompts through one engine, JSONL in, JSONL out, in order.
 
 Input lines (one JSON object each): ``{"id", "prompt"}``, ``{"id", "messages": [...]}`` or
-``{"id", "conversation": NAME, "prompt"}``; optional ``"system"`` and ``"max_tokens"``.
+``{"id", "conversation": NAME, "prompt"}``; optional ``"system"``, ``"max_tokens"`` and
+``"images"`` (files read when the line runs: a bad one is that line's error).
 Output: exactly one line per input line, in input order, whatever the line holds:
 ``{"id", "reply", "usage"}`` (and ``"reasoning"``: a reasoning model's thinking, apart from
 the reply) or ``{"id", "line", "error"}`` (``line``: its number in the
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from ..model.constraint import ConstraintSpec
 from ..session.session import Session, TurnOptions
 from .batchlines import BatchResult, Job
+from .images import line_images
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,15 @@ def _run_group(session: Session, pool, group: list[Job], options: BatchOptions
     from .parallel import complete_group
 
     refused: dict[int, str] = {}
+    messages: dict[int, list[dict]] = {}
     for job in group:
         try:
             _check_template(session.engine, job.messages)
+            messages[job.line] = _with_images(session, job)
         except BadInput as err:
             refused[job.line] = str(err)
     ok = [job for job in group if job.line not in refused]
-    outcomes = iter(complete_group(session, [job.messages for job in ok], pool,
+    outcomes = iter(complete_group(session, [messages[job.line] for job in ok], pool,
                                    [job.max_tokens or options.max_tokens for job in ok],
                                    options.temp, options.thinking,
                                    [job.constraint or options.constraint for job in ok])
@@ -136,10 +140,11 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
                                             kv_group=options.kv_group,
                                             thinking=options.thinking,
                                             context_overflow=options.context_overflow)
-            events = session.turn(conv, job.prompt, turn)
+            events = session.turn(conv, job.prompt, turn,
+                                  images=line_images(session, job.images))
         else:
             _check_template(session.engine, job.messages)
-            events = session.complete(job.messages, pool, turn)
+            events = session.complete(_with_images(session, job), pool, turn)
         for ev in events:
             if isinstance(ev, Notice) and notice is not None:
                 notice(job.line, ev.text)
@@ -149,6 +154,15 @@ def _run_job(session: Session, pool, job: Job, options: BatchOptions, notice) ->
     except LocalchatError as err:
         return BatchResult(job.id, job.line, error=str(err))
     return BatchResult(job.id, job.line, error="no reply")
+
+
+def _with_images(session: Session, job: Job) -> list[dict]:
+    """``job.messages``, its last (the new user message) holding the line's images, checked
+    and stored (``images.line_images``: a bad one is this line's BadInput)."""
+    if not job.images:
+        return job.messages
+    last = {**job.messages[-1], "images": list(line_images(session, job.images))}
+    return [*job.messages[:-1], last]
 
 
 def _check_template(engine, messages: list[dict]) -> None:

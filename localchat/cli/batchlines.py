@@ -14,6 +14,11 @@ What a line may hold (anything else is that line's error):
   conversation's name, with a ``prompt``, no ``messages`` and no ``system`` (it has its own).
 - ``system``: a string ("" adds nothing). ``max_tokens``: an integer >= 1, capped by the room
   left in the context.
+- ``images``: a non-empty array of image file paths (strings; relative ones from the working
+  folder), held by the line's new user message (its ``prompt``, or the last of its
+  ``messages``) before its text, for a vision model. Here only their shape is checked; the
+  files are read and decoded when the line runs, as ``ask --image`` reads them
+  (``batch.py``): a bad one is that line's error.
 - The reply's shape, one of: ``schema`` (a JSON Schema: an object or a boolean), ``format``
   (``"json"``: any JSON object), ``regex`` or ``grammar`` (Lark text); checked as the line is
   read (``model/constraint.py``), before any model work. A line without one takes the run's
@@ -47,8 +52,8 @@ from ..events import Usage
 if TYPE_CHECKING:
     from ..model.constraint import ConstraintSpec
 
-KEYS = ("id", "prompt", "messages", "conversation", "system", "max_tokens", "schema", "format",
-        "regex", "grammar")
+KEYS = ("id", "prompt", "messages", "conversation", "system", "max_tokens", "images", "schema",
+        "format", "regex", "grammar")
 SHAPES = ("schema", "format", "regex", "grammar")  # a line's constraint, one at most
 ROLES = ("system", "user", "assistant")
 BOM = b"\xef\xbb\xbf"
@@ -63,6 +68,7 @@ class Job:
     prompt: str | None
     max_tokens: int | None
     constraint: ConstraintSpec | None = None  # the line's own (``SHAPES``)
+    images: tuple[str, ...] = ()  # image files the new user message holds (checked when run)
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
             max_tokens, int) or max_tokens < 1):
         raise refuse(f"max_tokens must be a positive integer, not {_what(max_tokens)}")
     shape = _constraint(given, refuse)
+    images = _image_paths(given.get("images"), refuse)
     system = _text(given, "system", refuse) or None
     prompt = _text(given, "prompt", refuse)
     conversation = _text(given, "conversation", refuse)
@@ -242,7 +249,7 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
             if any(m["role"] == "system" for m in msgs):
                 raise refuse('give the system prompt once: "system" or a system message')
             msgs = [{"role": "system", "content": system}] + msgs
-        return Job(line, job_id, msgs, None, None, max_tokens, shape)
+        return Job(line, job_id, msgs, None, None, max_tokens, shape, images)
     if prompt is None:
         raise refuse('needs a "prompt" (or "messages")')
     if not prompt.strip():
@@ -253,10 +260,25 @@ def _job(obj: dict, keys: list[list[str]], line: int) -> Job:
         if system is not None:
             raise refuse('a "conversation" line takes no "system" (the conversation keeps '
                          'its own)')
-        return Job(line, job_id, None, conversation, prompt, max_tokens, shape)
+        return Job(line, job_id, None, conversation, prompt, max_tokens, shape, images)
     msgs = ([{"role": "system", "content": system}] if system else []) + [
         {"role": "user", "content": prompt}]
-    return Job(line, job_id, msgs, None, None, max_tokens, shape)
+    return Job(line, job_id, msgs, None, None, max_tokens, shape, images)
+
+
+def _image_paths(value: object, refuse: Callable[[str], _Refused]) -> tuple[str, ...]:
+    """The line's ``images``: a non-empty array of non-empty path strings (absent: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value:
+        raise refuse(f"images must be a non-empty array of file paths, not {_what(value)}")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not p.strip():
+            raise refuse(f"images[{i}] must be a file path (a non-empty string), not "
+                         f"{_what(p)}")
+        if not _unicode(p) or "\0" in p:
+            raise refuse(f"images[{i}] is not a file path (a lone surrogate or a NUL)")
+    return tuple(value)
 
 
 def _constraint(given: dict, refuse: Callable[[str], _Refused]) -> ConstraintSpec | None:

@@ -89,6 +89,17 @@ def _calls(m) -> list[str]:
     return out
 
 
+def _images(m) -> list[tuple[str, object]]:
+    """A message's images: (hash, W×H and size, or why not; the stored file or None)."""
+    digests = [d for d in (m.extra or {}).get("images") or () if isinstance(d, str)]
+    if not digests:
+        return []
+    from ..store.images import ImageStore
+
+    store = ImageStore(paths.images_dir())
+    return [store.describe(d) for d in digests]
+
+
 def _role(m) -> str:
     """``tool · NAME`` for a tool result, else the role."""
     name = (m.extra or {}).get("name") if m.role == "tool" else None
@@ -113,6 +124,8 @@ def cmd_show(args) -> int:
             if _summary(conv):
                 print(f"[summary] {shown(_summary(conv))}\n")
         mark = " (stopped)" if m.partial else ""
+        for chip, _ in _images(m):
+            print(f"[{m.role} · image] {shown(chip)}\n")
         if args.show_thinking and _thought(m):
             print(f"[{m.role} · thinking] {shown(_thought(m))}\n")
         if m.content or not _calls(m):
@@ -200,6 +213,8 @@ def cmd_export(args) -> int:
             print(f"<details><summary>Thinking</summary>\n\n{_thought(m)}\n\n</details>\n")
         if m.role == "tool" and (m.extra or {}).get("name"):
             print(f"_{m.extra['name']}_\n")
+        for chip, path in _images(m):  # (the stored copy: the original may have moved)
+            print(f"![{chip}]({path.as_uri()})\n" if path else f"_image {chip}_\n")
         print(f"{m.content}\n")
         for call in _calls(m):
             print(f"**Tool call:** `{call}`\n")

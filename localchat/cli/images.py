@@ -1,5 +1,5 @@
-"""``ask --image PATH``: the files checked before any model work, stored once the model is
-known to take images (``store/images.py``; docs/images.md)."""
+"""``ask --image PATH`` and a batch line's ``"images"``: the files checked (decoded whole),
+stored once the model is known to take images (``store/images.py``; docs/images.md)."""
 
 from __future__ import annotations
 
@@ -35,3 +35,17 @@ def store_images(session, images: list) -> tuple[str, ...]:
 
     store = ImageStore(paths.images_dir())
     return tuple(store.put(data, info).digest for data, _, info in images)
+
+
+def line_images(session, files: tuple[str, ...]) -> tuple[str, ...]:
+    """A batch line's image files checked and stored (``batchlines.py``); their content
+    hashes. Raises BadInput (that line's error, nothing of it stored): a text model, or a
+    file that is not an image (``store.images.check``)."""
+    if not files:
+        return ()
+    if not session.engine.takes_images():
+        raise BadInput(f"{session.engine.info().name} is a text model: it cannot take "
+                       "images (use a vision model: docs/images.md)")
+    from ..store.images import check
+
+    return store_images(session, [check(Path(p)) for p in files])

@@ -416,6 +416,21 @@ class Engine:
         """Whether a message may hold images (a vision model: ``vision.py``)."""
         return False
 
+    def see(self, digest: str, picture) -> None:
+        """Take the decoded image ``digest`` (a Pillow image) in hand for the next render, so
+        it need not be read from the data folder (a request's image before it is stored).
+
+        Raises:
+            BadInput: a text model; the model's processor refuses the image.
+        """
+        raise BadInput(f"{self.info().name} is a text model: it cannot take images")
+
+    def unstepped(self) -> str:
+        """Why a scheduler must let this model's turns make their own model calls, one turn
+        at a time ("": its calls can be ``Step``s that a scheduler batches with other turns'
+        — ``session/scheduler.py``)."""
+        return ""
+
     def can_verify(self) -> bool:
         """Whether speculative decoding (``session/speculative.py``) may stand in for
         ``decode``: this class's own ``decode`` (an engine that scripts its tokens overrides it

@@ -32,7 +32,8 @@ on the cache (``VisionCache.delta``) for the decode steps.
 
 What it is not: image files and their checks (``store/images.py``), the CPU path's weight
 tuning (a vision model runs MLX's own kernels), or a scheduler's batched steps (a vision
-model runs one turn at a time: ``stepped`` is refused).
+model's turns run one at a time, making their own model calls: ``unstepped``; ``stepped``
+is refused).
 """
 
 from __future__ import annotations
@@ -197,6 +198,10 @@ class VisionEngine(Engine):
     def takes_images(self) -> bool:
         return True
 
+    def unstepped(self) -> str:
+        return ("a vision model's turns make their own model calls: its prefill places image "
+                "rows and M-RoPE positions, which a batched step does not")
+
     def can_verify(self) -> bool:
         """No prompt-lookup drafts yet: a vision model decodes plain (its verify passes
         would need the M-RoPE positions of several tokens at once; left for later)."""
@@ -217,14 +222,18 @@ class VisionEngine(Engine):
 
     # -- images ----------------------------------------------------------------------------
 
-    def image(self, digest: str) -> Image:
-        """The memo's ``Image`` for ``digest``, processed now if it is not there."""
+    def see(self, digest: str, picture) -> None:
+        self.image(digest, picture)
+
+    def image(self, digest: str, picture=None) -> Image:
+        """The memo's ``Image`` for ``digest``, processed now if it is not there (from
+        ``picture``, the decoded image, when given; else from the image store)."""
         if digest in self.memo:
             self.memo.move_to_end(digest)
             return self.memo[digest]
-        if self.open_image is None:
+        if picture is None and self.open_image is None:
             raise BadInput("this session has no image store")
-        picture = self.open_image(digest).convert("RGB")
+        picture = (picture if picture is not None else self.open_image(digest)).convert("RGB")
         with self._tokenizer_lock:
             try:
                 got = self.processor(text=[self.placeholder], images=[picture],

@@ -6,7 +6,9 @@ cache_read_input_tokens``): ``cache_read_input_tokens`` came from the persistent
 ``cache_creation_input_tokens`` were computed and written to it by this request (every
 prefilled token, when the cache was saved); ``input_tokens`` were computed and not kept (a
 model whose cache localchat cannot keep, or a cache that could not be written).
-``cache_control`` blocks are accepted: caching is automatic either way.
+``cache_control`` blocks are accepted: caching is automatic either way. A user message's
+``image`` blocks (``"source": {"type": "base64", …}``) are its images, for a vision model
+(``images.py``; ``url`` sources are refused).
 
 Reasoning models: ``thinking`` sets the template's switch (``{"type": "enabled",
 "budget_tokens": N}`` on, ``{"type": "disabled"}`` off, ``{"type": "adaptive"}`` the
@@ -48,6 +50,7 @@ from .chat import (
     tool_call,
     unknown_keys,
 )
+from .images import base64_image
 
 # Accepted and not used (each type-checked): what the API's clients send about the service.
 IGNORED = {"metadata": dict, "service_tier": str, "cache_control": dict, "container": (str, dict),
@@ -78,7 +81,8 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
     max_tokens = None if counting else integer(body, "max_tokens", low=1)
     if max_tokens is None and not counting:
         raise bad("max_tokens is required", "max_tokens")
-    messages = _messages(body.get("messages"))
+    images: list = []
+    messages = _messages(body.get("messages"), images)
     system = _system(body.get("system"))
     if system:
         messages.insert(0, {"role": "system", "content": system})
@@ -89,7 +93,7 @@ def parse(body: object, *, counting: bool = False) -> ChatRequest:
         top_k=integer(body, "top_k", low=1),
         stop=stops(body.get("stop_sequences"), "stop_sequences"),
         stream=boolean(body, "stream"), tools=tools, thinking=thinking, constraint=constraint,
-        tool_rules=rules)
+        tool_rules=rules, images=tuple(images))
 
 
 THINKING_TYPES = {"enabled": True, "disabled": False, "adaptive": None}
@@ -176,7 +180,9 @@ def _system(value: object) -> str:
     return _text(value, "system")
 
 
-def _messages(value: object) -> list[dict]:
+def _messages(value: object, images: list) -> list[dict]:
+    """The messages, checked; a user message's ``image`` blocks are decoded into ``images``
+    (``images.py``) and named by their content hashes in its ``images``."""
     if not isinstance(value, list) or not value:
         raise bad("messages: field required, a non-empty array", "messages")
     if len(value) > MAX_MESSAGES:
@@ -189,21 +195,21 @@ def _messages(value: object) -> list[dict]:
         unknown_keys(m, {"role", "content"})
         if m.get("role") not in ("user", "assistant"):
             raise bad(f"{where}.role: must be \"user\" or \"assistant\"", f"{where}.role")
-        out += _message(m["role"], m.get("content"), f"{where}.content")
+        out += _message(m["role"], m.get("content"), f"{where}.content", images)
     if out[-1]["role"] not in ("user", "tool"):
         raise bad("the last message must be from the user (localchat does not continue a "
                   "prefilled assistant message)", "messages")
     return out
 
 
-def _message(role: str, content: object, where: str) -> list[dict]:
+def _message(role: str, content: object, where: str, images: list) -> list[dict]:
     """One API message as chat messages: an assistant's ``tool_use`` blocks become its tool
     calls and its ``thinking`` blocks its reasoning (``redacted_thinking`` ones are dropped:
     nothing here can read them); a user's ``tool_result`` blocks become ``tool`` messages,
-    before its text."""
+    before its text, and its ``image`` blocks its images (decoded into ``images``)."""
     if not isinstance(content, list):
         return [{"role": role, "content": _text(content, where)}]
-    texts, calls, results, thoughts = [], [], [], []
+    texts, calls, results, thoughts, mine = [], [], [], [], []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
@@ -229,15 +235,23 @@ def _message(role: str, content: object, where: str) -> list[dict]:
             results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
                             "content": result if isinstance(result, str)
                             else _text(result, f"{at}.content")})
+        elif kind == "image" and role == "user":
+            mine.append(base64_image(block, at))
+        elif kind == "image":
+            raise bad(f"{at}: images are taken in user messages only", at)
         else:
             texts.append(block)
-    thinking = len(content) - len(texts) - len(calls) - len(results)  # (redacted ones too)
+    thinking = len(content) - len(texts) - len(calls) - len(results) - len(mine)  # (redacted)
     reasoning = "\n\n".join(t for t in thoughts if t)
     thought = {"reasoning_content": reasoning} if reasoning else {}
     out = list(results)
     if calls:
         text = _text(texts, where) if texts else ""
         out.append({"role": "assistant", "content": text, "tool_calls": calls} | thought)
+    elif mine:
+        images += mine
+        out.append({"role": role, "content": _text(texts, where) if texts else "",
+                     "images": [i.digest for i in mine]})
     elif texts or thinking or not results:
         text = _text(texts, where) if texts or not thinking else ""
         out.append({"role": role, "content": text} | thought)

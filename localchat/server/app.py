@@ -15,7 +15,11 @@ mid-stream gets its generation stopped at the next token. A reasoning model's th
 in each API's own field or block; the request's switch (``ChatRequest.thinking``) goes to the
 turn, which renders the template with it. A reply's shape (``ChatRequest.constraint``, checked
 by ``structured.py`` before the request is queued) goes to the turn as its constraint; so
-does the grammar of strict tools' calls and ``tool_choice`` (``_tool_constraint``).
+does the grammar of strict tools' calls and ``tool_choice`` (``_tool_constraint``). A
+request's images (``images.py``) are refused for a text model before it is queued; on the
+model thread the model's processor sees them, then they are stored by content hash
+(``store/images.py``) and the messages name them; a request refused there leaves none of its
+new images stored.
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import crashlog
+from .. import crashlog, paths
 from ..errors import BadInput, ContextFull, LocalchatError
 from ..events import ReasoningChunk, ReplyChunk, TurnFinished
 from ..model.replies import ToolHold, tool_markers
 from ..model.toolcalls import NAME as TOOLS_CONSTRAINT
 from ..session import stateless
 from ..session.session import TurnOptions
+from ..store.images import ImageStore
 from . import anthropic_api, openai_api
 from .chat import MAX_BODY, ApiError, ChatRequest, bad
 from .worker import DONE, Job, QueueFull, Worker
@@ -75,6 +80,13 @@ class Service:
             raise ApiError(404, "not_found", f"model {name!r} is not served here (this server "
                            f"has {self.model!r}; GET /v1/models)", param="model")
 
+    def check_images(self, req: ChatRequest) -> None:
+        """A 400 naming the first image of ``req`` when the model takes none."""
+        if req.images and not self.worker.session.engine.takes_images():
+            where = req.images[0].where
+            raise bad(f"{where}: {self.model} is a text model: it cannot take images (serve "
+                      "a vision model: docs/images.md)", where)
+
 
 def make_app(service: Service) -> Starlette:
     async def chat_completions(request: Request) -> Response:
@@ -89,9 +101,9 @@ def make_app(service: Service) -> Starlette:
             req = await run_in_threadpool(anthropic_api.parse, await _json(request),
                                           counting=True)
             service.check_model(req.model)
+            service.check_images(req)
             # On the model thread (the session's): aligned as the turn would render it.
-            n = await run_in_threadpool(service.worker.call, stateless.count, req.messages,
-                                        list(req.tools) or None)
+            n = await run_in_threadpool(service.worker.call, _count, req)
             return JSONResponse({"input_tokens": n})
         except ApiError as err:
             return _error(err, "anthropic")
@@ -160,6 +172,7 @@ async def _chat(service: Service, request: Request, api: str) -> Response:
         # and the other clients' streams go on meanwhile.
         req = await run_in_threadpool(spec.parse, await _json(request))
         service.check_model(req.model)
+        service.check_images(req)
         req = await run_in_threadpool(_tool_constraint, service, req)
     except ApiError as err:
         service.log(f"localchat serve: {api} {err.status} {err.message}")
@@ -228,7 +241,8 @@ def _cost(service: Service, req: ChatRequest) -> int:
     info = service.worker.session.engine.info()
     text = sum(len(m["content"].encode()) + 16 for m in req.messages)
     cap = req.max_tokens or service.sampling.max_tokens
-    tokens = min(info.context_length, text + 64 + cap)
+    # (an image's tokens are the model's processor's to say: the whole context bounds them)
+    tokens = info.context_length if req.images else min(info.context_length, text + 64 + cap)
     return 2 * info.kv_bytes_per_token * tokens + info.state_bytes
 
 
@@ -246,6 +260,7 @@ def _turn(session, req: ChatRequest, cancel, overflow: str = "stop"):
     options = TurnOptions(**fields, seed=req.seed, stop=req.stop, tools=req.tools,
                           context_overflow=overflow, thinking=req.thinking,
                           constraint=req.constraint)
+    fresh = _store_images(session, req)
     conv, new, made = stateless.place(session, req.messages, req.api)
     try:
         # Every event goes to the scheduler: prefill chunks and decode steps are where it
@@ -254,7 +269,33 @@ def _turn(session, req: ChatRequest, cancel, overflow: str = "stop"):
     except (ContextFull, BadInput):
         if made:  # refused before anything was added: leave no trace of the request
             session.delete(conv)
+        for digest in fresh:  # (stored by this request and held by no message)
+            if not session.store.image_users(digest):
+                ImageStore(paths.images_dir()).discard(digest)
         raise
+
+
+def _store_images(session, req: ChatRequest) -> list[str]:
+    """On the model thread: the request's images seen by the model (its processor may still
+    refuse one: a 400, nothing stored), then stored once by content hash; the hashes this
+    request stored first."""
+    if not req.images:
+        return []
+    for image in req.images:
+        session.engine.see(image.digest, image.picture)
+    store, fresh = ImageStore(paths.images_dir()), []
+    for image in req.images:
+        if store.find(image.digest) is None and image.digest not in fresh:
+            store.put(image.data, image.info)
+            fresh.append(image.digest)
+    return fresh
+
+
+def _count(session, req: ChatRequest) -> int:
+    """``count_tokens`` on the model thread: the request's images seen (never stored)."""
+    for image in req.images:
+        session.engine.see(image.digest, image.picture)
+    return stateless.count(session, req.messages, list(req.tools) or None)
 
 
 async def _collect(events: asyncio.Queue) -> tuple[str, TurnFinished]:

@@ -3,13 +3,14 @@
 ``ChatRequest`` is a request checked field by field (by ``openai_api.parse`` or
 ``anthropic_api.parse``); ``ApiError`` is a failure with an HTTP status and a kind that each
 API names its own way. Limits keep one request from taking the server: ``MAX_BODY`` bytes,
-``MAX_MESSAGES`` messages. Nothing in a request names a file. A reasoning model's switch
-arrives as ``ChatRequest.thinking`` (each API's own fields: ``reasoning_effort`` and
-``chat_template_kwargs``, or ``thinking``), and an earlier reply's reasoning as its message's
-``reasoning_content``. A reply's shape (OpenAI's ``response_format``, Anthropic's
-``output_config.format``) arrives as ``ChatRequest.constraint``, checked (``structured.py``);
-strict tools and ``tool_choice`` as ``ChatRequest.tool_rules``, the server turning them into the
-constraint once it knows the model's tool-call syntax (``app.py``).
+``MAX_MESSAGES`` messages. Nothing in a request names a file; images come inside it
+(``images.py``). A reasoning model's switch arrives as ``ChatRequest.thinking`` (each API's
+own fields: ``reasoning_effort`` and ``chat_template_kwargs``, or ``thinking``), and an
+earlier reply's reasoning as its message's ``reasoning_content``. A reply's shape (OpenAI's
+``response_format``, Anthropic's ``output_config.format``) arrives as
+``ChatRequest.constraint``, checked (``structured.py``); strict tools and ``tool_choice`` as
+``ChatRequest.tool_rules``, the server turning them into the constraint once it knows the
+model's tool-call syntax (``app.py``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,27 @@ def bad(message: str, param: str | None = None) -> ApiError:
 
 
 @dataclass(frozen=True)
+class RequestImage:
+    """One image of a request, decoded (``images.py``): where it was
+    (``messages[0].content[1]``), its file bytes, the decoded Pillow image and its
+    ``store.images.ImageInfo``."""
+
+    where: str
+    data: bytes
+    picture: object
+    info: object
+
+    @property
+    def digest(self) -> str:
+        return self.info.digest
+
+
+@dataclass(frozen=True)
 class ChatRequest:
     """A chat request either API sent, checked: ``messages`` are ``{role, content}`` with
     text content, the system prompt first when there is one (an assistant's may also hold
-    ``tool_calls`` and ``reasoning_content``)."""
+    ``tool_calls`` and ``reasoning_content``; a user's ``images``, the content hashes of
+    ``images``, the request's images decoded: ``images.py``)."""
 
     api: str  # "openai" or "anthropic"
     model: str
@@ -68,6 +86,7 @@ class ChatRequest:
     thinking: bool | None = None  # a reasoning model thinks first (None: its template's default)
     constraint: ConstraintSpec | None = None  # the reply's shape (``structured.py``; None: free)
     tool_rules: ToolRules | None = None  # strict tools, tool_choice (``model/toolcalls.py``)
+    images: tuple[RequestImage, ...] = ()  # every image of the messages, in order
 
 
 # -- field checks (each raises ApiError 400 naming the field) -----------------------------

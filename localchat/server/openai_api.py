@@ -4,7 +4,8 @@ Usage maps one to one: ``prompt_tokens`` (the whole rendered conversation),
 ``prompt_tokens_details.cached_tokens`` (reused from the persistent cache),
 ``completion_tokens`` (of which ``completion_tokens_details.reasoning_tokens`` were thinking).
 Content is text (a string, or ``text`` parts); ``system`` and ``developer`` messages open the
-conversation.
+conversation. A user message may hold images as ``image_url`` parts with data URLs, for a
+vision model (``images.py``; remote URLs are refused).
 
 Reasoning models, as vLLM and llama.cpp serve them: ``reasoning_effort`` ("none" turns the
 thinking off, any other level on; the level itself is not a budget) and
@@ -43,6 +44,7 @@ from .chat import (
     tool_call,
     unknown_keys,
 )
+from .images import data_url
 
 # Accepted; those that would change the reply must hold their neutral value.
 KNOWN = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
@@ -89,8 +91,10 @@ def parse(body: object) -> ChatRequest:
     max_tokens = integer(body, "max_completion_tokens", low=1)
     if max_tokens is None:
         max_tokens = integer(body, "max_tokens", low=1)
+    images: list = []
+    messages = _messages(body.get("messages"), images)
     return ChatRequest(
-        api="openai", model=model, messages=_messages(body.get("messages")),
+        api="openai", model=model, messages=messages, images=tuple(images),
         max_tokens=max_tokens,
         temperature=number(body, "temperature", low=0.0, high=2.0, default=None),
         top_p=number(body, "top_p", low=0.0, high=1.0, default=None, low_open=True),
@@ -183,7 +187,9 @@ def _tool_rules(choice: object, strict: tuple[str, ...], parallel: object,
                      parallel=parallel is not False)
 
 
-def _messages(value: object) -> list[dict]:
+def _messages(value: object, images: list) -> list[dict]:
+    """The messages, checked; a user message's image parts are decoded into ``images``
+    (``images.py``) and named by their content hashes in its ``images``."""
     if not isinstance(value, list) or not value:
         raise bad("messages must be a non-empty array", "messages")
     if len(value) > MAX_MESSAGES:
@@ -225,7 +231,12 @@ def _messages(value: object) -> list[dict]:
             text = "" if content is None else _text(content, f"{where}.content")
             out.append({"role": "assistant", "content": text, "tool_calls": stored} | thought)
             continue
-        text = _text(m.get("content"), f"{where}.content")
+        mine: list = [] if role == "user" else None
+        text = _text(m.get("content"), f"{where}.content", mine)
+        if mine:
+            images += mine
+            out.append({"role": "user", "content": text, "images": [i.digest for i in mine]})
+            continue
         if role in ("system", "developer"):
             if any(x["role"] != "system" for x in out):
                 raise bad(f"{where}: a {role} message must come before the conversation",
@@ -255,17 +266,24 @@ def _reasoning(m: dict, role: str, where: str) -> dict:
     return {"reasoning_content": out} if out else {}
 
 
-def _text(content: object, where: str) -> str:
-    """A message's text: a string, or an array of ``{"type": "text", "text": ...}`` parts."""
+def _text(content: object, where: str, images: list | None = None) -> str:
+    """A message's text: a string, or an array of ``{"type": "text", "text": ...}`` parts;
+    ``images`` given (a user's message), its ``image_url`` parts are decoded into it."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else kind_of(part)
-                raise bad(f"{where}[{j}]: only text parts are supported, not {kind!r}",
+            kind = part.get("type") if isinstance(part, dict) else kind_of(part)
+            if kind == "image_url" and images is not None:
+                images.append(data_url(part, f"{where}[{j}]"))
+                continue
+            if kind == "image_url":
+                raise bad(f"{where}[{j}]: image parts are taken in user messages only",
                           f"{where}[{j}]")
+            if kind != "text":
+                raise bad(f"{where}[{j}]: only text and image_url parts are supported, not "
+                          f"{kind!r}", f"{where}[{j}]")
             if not isinstance(part.get("text"), str):
                 raise bad(f"{where}[{j}].text must be a string", f"{where}[{j}].text")
             parts.append(part["text"])

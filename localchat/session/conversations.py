@@ -1,6 +1,6 @@
 """Conversation operations that need no model: find or create, rename, history, cut, fork,
-delete. One part of a ``Session``, and what ``localchat fork``/``rm`` and the app use before
-a model is loaded.
+delete (with the stored images no message holds any more). One part of a ``Session``, and
+what ``localchat fork``/``rm`` and the app use before a model is loaded.
 
 What it is: the conversations of one data folder — their rows in SQLite (``store/database.py``) and
 their cache folders on this machine (``kv/`` and every rank's folder under ``kv-shards/``:
@@ -121,6 +121,23 @@ class Conversations:
         the next one sees the conversation gone (``Session``) instead of writing into it.
         """
         with self.lock(conv):
+            held = {d for m in self.store.messages(conv) for d in (m.extra or {}).get(
+                "images") or ()}
             self.store.delete(conv)
             for root in budget.cache_roots(self.kv_root):
                 CacheFolder(root / str(conv.id)).remove()
+            self.drop_unheld(held)
+
+    def drop_unheld(self, digests) -> None:
+        """Remove the stored files of the images ``digests`` that no message holds any more
+        (the last conversation holding one was deleted). An image is stored before the
+        message that holds it is added, so an ``rm`` racing another process's turn with the
+        same image may remove its file; that turn then says the image is missing."""
+        if not digests:
+            return
+        from ..store.images import ImageStore
+
+        images = ImageStore(paths.images_dir())
+        for digest in digests:
+            if isinstance(digest, str) and not self.store.image_users(digest):
+                images.discard(digest)

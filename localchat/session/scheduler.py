@@ -27,8 +27,9 @@ Batched matmuls round differently from one-row ones (~1e-5 here), so greedy repl
 rarely, differ from the lone reply. A model whose batched step fails or does not match its
 lone steps (``batch_refusal`` tries one at start: MLA, which works on its keys before
 attention; llama4's chunked cache; deepseek_v32's indexer) runs its turns one at a time, said
-once in the log. What it is not: the HTTP side (``server/``), the turn itself
-(``session.py``).
+once in the log. A model whose turns cannot be stepped at all (``Engine.unstepped``: a
+vision model) runs each turn whole, one at a time, making its own model calls. What it is
+not: the HTTP side (``server/``), the turn itself (``session.py``).
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ class Scheduler:
         if self.max_batch < 2:
             return 1
         if self.refusal is None:
-            self.refusal = batch_refusal(self.session.engine)
+            engine = self.session.engine
+            self.refusal = engine.unstepped() or batch_refusal(engine)
             if self.refusal:
                 self.log(f"localchat: turns of this model run one at a time ({self.refusal})")
         return 1 if self.refusal else self.max_batch
@@ -193,7 +195,9 @@ class Scheduler:
     def _drive(self, on: bool) -> None:
         """Take the session's turns over (their decode steps come here) or give them back."""
         s = self.session
-        s.stepped = on
+        # (a model whose turns make their own calls runs each turn whole, one at a time: the
+        # scheduler then only queues them, its rounds each advancing the one turn)
+        s.stepped = on and not s.engine.unstepped()
         s.prefill_chunk = self.pace.chunk if on else None
         s.may_draft = self.may_draft if on else None
 

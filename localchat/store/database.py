@@ -326,6 +326,14 @@ class Store:
             raise StorageError(f"cannot save the message: {err}") from None
         return Message(cur.lastrowid, seq, role, content, partial, now, extra)
 
+    def image_users(self, digest: str) -> int:
+        """How many stored messages hold the image ``digest`` (a content hash,
+        ``store/images.py``) among their ``images``."""
+        if not all(c in "0123456789abcdef" for c in digest):
+            return 0  # (never a LIKE pattern from elsewhere: only hex digests)
+        return self._rows("SELECT COUNT(*) FROM messages WHERE extra LIKE ?",
+                          (f'%"{digest}"%',))[0][0]
+
     def delete_messages_from(self, conv: Conversation, seq: int) -> None:
         """Drop message ``seq`` and every later one (edit, regenerate)."""
         self._write("DELETE FROM messages WHERE conversation_id = ? AND seq >= ?",

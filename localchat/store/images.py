@@ -143,6 +143,28 @@ class ImageStore:
             return None  # (never a path from a message: only hex names are looked up)
         return next(iter(sorted(self.root.glob(f"{digest}.*"))), None)
 
+    def describe(self, digest: str) -> tuple[str, Path | None]:
+        """One line for a person (``ImageInfo.chip``: hash, W×H, size) and the stored file,
+        read from the file's header only; the file None when it is missing or unreadable."""
+        path = self.find(digest)
+        if path is None:
+            return f"{digest[:12]} (missing from {self.root})", None
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(path) as image:
+                w, h = image.size
+            size = path.stat().st_size
+        except (OSError, UnidentifiedImageError, ValueError):
+            return f"{digest[:12]} (unreadable: {path})", None
+        return ImageInfo(digest, w, h, "", "", size).chip, path
+
+    def discard(self, digest: str) -> None:
+        """Remove the stored file of ``digest`` (one no message holds any more)."""
+        path = self.find(digest)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def open(self, digest: str):
         """The stored image ``digest``, decoded and checked against its hash.
 

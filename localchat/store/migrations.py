@@ -130,8 +130,14 @@ MIGRATIONS = [
     ALTER TABLE conversations ADD COLUMN summary TEXT;
     ALTER TABLE conversations ADD COLUMN summary_upto INTEGER NOT NULL DEFAULT 0;
     """,
+    # Messages' chains cover their images (``message_chain``); those written before did not:
+    # cleared here (no request finds them), made again in Python (``IMAGES_CHAINED``).
+    """
+    UPDATE messages SET chain = NULL WHERE extra LIKE '%"images"%';
+    """,
 ]
 CHAINED = 4  # the schema version from which messages carry their chain (filled in Python)
+IMAGES_CHAINED = 12  # from which the chains cover images (conversations with images rechained)
 
 
 def chain_seed(system: str | None) -> bytes:
@@ -143,12 +149,16 @@ def message_chain(previous: bytes, role: str, content: str, extra: dict | None =
     """The hash of a conversation's messages up to this one. Text is compared stripped: a
     client re-sends a reply as it was streamed, which may differ from the stored text in
     leading or trailing spaces. Of the extra fields, what a client re-sends the same way
-    through either API: the tool calls' names and arguments (not their ids)."""
+    through either API: the tool calls' names and arguments (not their ids), and the images'
+    content hashes (a request with another image is another conversation)."""
     data = previous + role.encode() + b"\0" + content.strip().encode("utf-8", "surrogatepass")
     calls = (extra or {}).get("tool_calls")
     if calls:
         data += json.dumps([[c["function"]["name"], c["function"]["arguments"]]
                             for c in calls], sort_keys=True).encode()
+    images = (extra or {}).get("images")
+    if images:
+        data += b"\0images\0" + ",".join(images).encode()
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
@@ -260,6 +270,11 @@ def migrate(db: sqlite3.Connection) -> int:
                 db.execute(statement)
             if i + 1 == CHAINED:
                 for (conv_id,) in db.execute("SELECT id FROM conversations").fetchall():
+                    rechain(db, conv_id)
+            if i + 1 == IMAGES_CHAINED:
+                for (conv_id,) in db.execute(
+                        "SELECT DISTINCT conversation_id FROM messages WHERE extra LIKE ?",
+                        ('%"images"%',)).fetchall():
                     rechain(db, conv_id)
             db.execute(f"PRAGMA user_version = {i + 1}")
         db.execute("COMMIT")

@@ -149,3 +149,35 @@ def test_generated_bytes_are_an_image_or_one_bad_input(data):
         assert str(err).startswith("x.png: ") and "\n" not in str(err)
     else:
         assert info.width == image.width and len(info.digest) == 64
+
+
+def test_show_export_fork_and_rm_know_the_images(home, qwen, tmp_path, capsys):
+    """``show`` and ``export`` name each image (hash, W×H, size; export links the stored
+    copy); a fork holds the same stored file; ``rm`` removes an image's file with the last
+    conversation holding it, and never one another conversation holds."""
+    a, b = png(tmp_path / "a.png"), png(tmp_path / "b.png", 60, 40, seed=2)
+    assert ask(capsys, qwen, "-c", "pics", "--image", str(a), "What is it?")[0] == 0
+    assert ask(capsys, qwen, "-c", "other", "--image", str(b), "And this?")[0] == 0
+    (file_a,) = [f for f in stored_files(home) if f.stat().st_size == a.stat().st_size]
+    digest = file_a.name.split(".")[0]
+    assert main(["show", "pics"]) == 0
+    out = capsys.readouterr().out
+    assert f"[user · image] {digest[:12]} 90×60 " in out
+    assert out.index("[user · image]") < out.index("[user] What is it?")
+    assert main(["export", "pics"]) == 0
+    exported = capsys.readouterr().out
+    assert f"![{digest[:12]} 90×60 " in exported and f"]({file_a.as_uri()})" in exported
+    assert main(["fork", "pics", "pics-2"]) == 0
+    assert main(["show", "pics-2", "--json"]) == 0
+    capsys.readouterr()
+    # rm of one holder keeps the file; of the last removes it; the other image stays.
+    assert main(["rm", "pics"]) == 0
+    assert file_a.exists()
+    assert main(["rm", "pics-2"]) == 0
+    assert not file_a.exists() and len(stored_files(home)) == 1
+    # A stored copy gone missing is said so, in one line, not a traceback.
+    for f in stored_files(home):
+        f.unlink()
+    capsys.readouterr()
+    assert main(["show", "other"]) == 0
+    assert "(missing from " in capsys.readouterr().out

@@ -232,7 +232,7 @@ class StubSession:
             raise ContextFull("the conversation is 99 tokens; stub holds 64")
         yield TurnFinished(messages[-1]["content"], USAGE, False)
 
-    def turn(self, conv, prompt, options):
+    def turn(self, conv, prompt, options, images=()):
         yield TurnFinished(prompt, USAGE, False)
 
 
@@ -382,7 +382,7 @@ def test_what_each_odd_line_becomes(tmp_path):
         ("a", 'id "a" is already the id of line 7'),
         (3, "max_tokens must be a positive integer, not true"),
         (4, 'unknown key "temperature" (a line takes id, prompt, messages, conversation, '
-            'system, max_tokens, schema, format, regex, grammar)'),
+            'system, max_tokens, images, schema, format, regex, grammar)'),
         (5, "invalid JSON (NaN is not JSON)"),
         (6, "invalid JSON (Expecting ',' delimiter at column 24)"),
         (None, "invalid JSON (Expecting ',' delimiter at column 26)"),
