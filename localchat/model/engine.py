@@ -22,7 +22,7 @@ from ..errors import BadInput, ModelBroken
 from ..events import Step
 from ..kvcache import kinds as ck
 from ..kvcache.folder import Layout, common_prefix
-from .info import ModelInfo
+from .info import ModelInfo, measure
 from .preload import before_the_first_turn, cpu_weights_path, quiet_transformers
 from .resolve import ModelRef, model_digest, resolve
 
@@ -145,56 +145,9 @@ class Engine:
 
     def info(self) -> ModelInfo:
         if self._info is None:
-            self._info = self._measure()
+            self._info, self._compute_dtype, self._layout = measure(
+                self, make_prompt_cache(self.model))
         return self._info
-
-    def _measure(self) -> ModelInfo:
-        import mlx.core as mx
-
-        cache = make_prompt_cache(self.model)
-        self.model(mx.array([[0]]), cache=cache)  # one token reveals shapes and dtypes
-        found = ck.leaves(cache)
-        unknown = tuple(ck.unknown_classes(cache))
-        known = [(path, obj) for path, obj in found if ck.kind_of(obj) is not None]
-        specs = [ck.spec_of(path, obj) for path, obj in known]
-        first = next((obj for _, obj in known if getattr(obj, "keys", None) is not None), None)
-        self._compute_dtype = first.keys.dtype if first is not None else mx.float32
-        # float32 K/V (the CPU path) are rounded to float16 as they enter the cache.
-        kept = mx.float16 if self._compute_dtype == mx.float32 else self._compute_dtype
-        per_token = sum(s.k_shape[0] * s.k_shape[1] + s.v_shape[0] * s.v_shape[1]
-                        for s in specs if s.kind == ck.GROWING) * kept.size
-        state = 0
-        for (_, obj), spec in zip(known, specs):
-            if spec.cls in ("RotatingKVCache", "ChunkedKVCache"):
-                k, v = obj.keys, obj.values
-                state += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * spec.window \
-                    * kept.size
-            elif spec.kind == ck.BOUNDED:
-                state += obj.nbytes
-        grow = next((s for s in specs if s.kind == ck.GROWING), None)
-        head = grow.k_shape if grow else (0, 0)
-        heads = int(self.config.get("num_attention_heads", head[0]))
-        ctx = self.config.get("max_position_embeddings") or getattr(
-            self.tokenizer, "model_max_length", 4096
-        )
-        self._layout = tuple(specs)
-        return ModelInfo(
-            name=self.ref.name,
-            path=str(self.ref.path),
-            model_digest=model_digest(self.ref.path),
-            layers=len(cache),
-            heads=heads,
-            kv_heads=int(head[0]),
-            head_dim=int(head[1]),
-            kv_dtype=str(kept).replace("mlx.core.", ""),
-            kv_bytes_per_token=int(per_token),
-            state_bytes=int(state),
-            layer_mix=ck.describe_mix(specs, len(cache)),
-            context_length=int(ctx),
-            cut_anywhere=all(s.kind == ck.GROWING for s in specs),
-            unknown=unknown,
-            thinking_switch=self.thinking_switch,
-            tokenizer=self.tokenizer_plan, attention=ck.attention_windows(specs))
 
     def layout(self, quant: ck.KVQuant | None = None) -> Layout:
         """What this model's caches on disk are validated against (see ``kvcache.folder.Layout``),
