@@ -5,8 +5,8 @@ On the default model (or -m MODEL), each conversation a ~1k-token history, 4 tok
 - in-process: ``ask`` with ``--keep-alive 0`` (what every ask was before: it loads the model);
 - first ask: no resident yet (``localchat stop`` before each trial), so this ask runs its
   turn itself and starts one as it ends (the bench waits until it has loaded);
-- resident: the second and later asks, answered by the warm resident;
-  trials alternate between the kinds, so each sees the same machine;
+- resident: the second and later asks of a conversation, answered by the warm resident
+  (trials alternating with the in-process ones, so each sees the same machine);
 - eight at once: eight asks on eight conversations spawned together, each its own process
   (``--keep-alive 0``: eight models) vs through one resident (its scheduler decodes them
   together): wall time until the last exits, and how many models were in memory;
@@ -137,11 +137,12 @@ def main() -> None:
         runs = {"in-process": [], "first ask": [], "resident": []}
         for i in range(trials):  # alternating: each kind sees the same machine
             runs["in-process"].append(timed([*here, "-c", "here", f"Question {i}?"], env))
+            runs["resident"].append(timed([*there, "-c", "resident", f"Question {i}?"], env))
+        served = residents(env)
+        for i in range(trials):  # no resident: this ask runs its turn and starts one
             benchlib.run(stop, env)
             runs["first ask"].append(timed([*there, "-c", "first", f"Question {i}?"], env))
             ready(env)
-            runs["resident"].append(timed([*there, "-c", "resident", f"Question {i}?"], env))
-        served = residents(env)
         # Eight at once: eight processes with a model each, then through the warm resident.
         crowd_here, crowd_there, models_there = [], [], []
         for i in range(max(1, trials // 2)):

@@ -120,6 +120,24 @@ class Resident:
             self.notice(text)
         self.files = model_files(session.engine.ref.path)
         self.worker = Worker(session, limit=256, max_batch=DEFAULT_MAX_BATCH, log=log)
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """A two-token turn on messages stored nowhere, through the scheduler as a turn runs,
+        before the resident says it is ready: the weights' pages, the kernels, the buffers and
+        the code paths its first turn would pay for otherwise (measured on the default model:
+        the first turn 2.2 s, later ones 0.35 s)."""
+        from ..kvcache.prefixes import PrefixPool
+        from ..server.worker import DONE, Job
+        from ..session.session import TurnOptions
+
+        ended = threading.Event()
+        job = Job(lambda session, emit: session.complete(
+            [{"role": "user", "content": "Hello! This only warms the model up."}],
+            PrefixPool(session.engine.new_cache), TurnOptions(max_tokens=2)),
+            emit=lambda item: item is DONE and ended.set())
+        self.worker.submit(job)
+        ended.wait(120)
 
     def notice(self, text: str) -> None:
         log(text)
