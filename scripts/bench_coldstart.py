@@ -41,22 +41,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 import benchlib  # noqa: E402
 
 
-def first_byte(cmd: list[str], env: dict) -> tuple[float, float, str]:
-    """Seconds from spawning ``cmd`` to its first byte on stdout and to its exit (it must
-    succeed), and its stderr."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.read(1)
-    elapsed = time.perf_counter() - t0
-    _, err = proc.communicate()
-    ended = time.perf_counter() - t0
-    text = err.decode(errors="replace")
-    if proc.returncode != 0:
-        lines = text.strip().splitlines() or ["no message"]
-        raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {lines[-1]}")
-    return elapsed, ended, text
-
-
 def chat_start(cmd: list[str], env: dict, timeout: float = 120.0) -> tuple[float, float]:
     """Seconds from spawning the app ``cmd`` in an 40x120 pty to its first frame (the
     alternate screen taken) and to the model ready (``ctx `` in the status bar); then killed."""
@@ -287,11 +271,11 @@ def main() -> None:
     app = benchlib.localchat("chat", "-c", "resumed")
     for i in range(trials):
         for name, venv in versions.items():  # alternating: both see the same machine
-            resumed[name].append(first_byte(exe + ["-c", "resumed", f"Question {i}?"],
+            resumed[name].append(benchlib.first_byte(exe + ["-c", "resumed", f"Question {i}?"],
                                             venv)[:2])
             stepped[name].append(steps(exe[3:] + ["-c", "resumed", f"Step {i}?"], venv))
             chat[name].append(chat_start(app, venv))
-        full.append(first_byte(exe + ["-c", "full", "--no-cache", f"Question {i}?"],
+        full.append(benchlib.first_byte(exe + ["-c", "full", "--no-cache", f"Question {i}?"],
                                versions["this tree"])[:2])
     med = benchlib.median
     first = {v: med([x[0] for x in resumed[v]]) for v in versions}

@@ -39,16 +39,7 @@ KEEP = "5m"  # the resident's keep-alive while timing (the default)
 
 def timed(cmd: list[str], env: dict) -> tuple[float, float]:
     """Seconds from spawning ``cmd`` to its first byte on stdout and to its exit."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    proc.stdout.read(1)
-    first = time.perf_counter() - t0
-    _, err = proc.communicate()
-    ended = time.perf_counter() - t0
-    if proc.returncode != 0:
-        last = (err.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
-        raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {last}")
-    return first, ended
+    return benchlib.first_byte(cmd, env)[:2]
 
 
 def at_once(cmds: list[list[str]], env: dict) -> float:
@@ -136,8 +127,8 @@ def main() -> None:
         ready(env)
         runs = {"in-process": [], "first ask": [], "resident": []}
         for i in range(trials):  # alternating: each kind sees the same machine
-            runs["in-process"].append(timed([*here, "-c", "here", f"Question {i}?"], env))
-            runs["resident"].append(timed([*there, "-c", "resident", f"Question {i}?"], env))
+            for kind, cmd, name in (("in-process", here, "here"), ("resident", there, "resident")):
+                runs[kind].append(timed([*cmd, "-c", name, f"Question {i}?"], env))
         served = residents(env)
         for i in range(trials):  # no resident: this ask runs its turn and starts one
             benchlib.run(stop, env)

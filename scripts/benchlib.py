@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import TypeVar
 
@@ -106,6 +107,22 @@ def run(cmd: list[str], env: dict | None = None, timeout: float = 1800
         last = (out.stderr.strip().splitlines() or ["no message"])[-1]
         raise SystemExit(f"{shown}: exit status {out.returncode}: {last}")
     return out
+
+
+def first_byte(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    """Seconds from spawning ``cmd`` to its first byte on stdout and to its exit (it must
+    succeed), and its stderr."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(1)
+    elapsed = time.perf_counter() - t0
+    _, err = proc.communicate()
+    ended = time.perf_counter() - t0
+    text = err.decode(errors="replace")
+    if proc.returncode != 0:
+        lines = text.strip().splitlines() or ["no message"]
+        raise SystemExit(f"{' '.join(cmd[3:])}: exit status {proc.returncode}: {lines[-1]}")
+    return elapsed, ended, text
 
 
 def localchat(*args: str) -> list[str]:

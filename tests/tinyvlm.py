@@ -215,3 +215,18 @@ def build_tiny_vlm(out: Path, family: str = "qwen2_vl", *, seed: int = 0) -> Pat
     model.update(tree_unflatten(list(params.items())))
     mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
     return out
+
+
+def random_image(w: int = 90, h: int = 60, seed: int = 0):
+    """A w×h RGB picture of noise (PIL): each seed another picture of the same size."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+
+
+def random_png(path: Path, w: int = 90, h: int = 60, seed: int = 0) -> Path:
+    """``random_image`` saved at ``path``."""
+    random_image(w, h, seed).save(path)
+    return path

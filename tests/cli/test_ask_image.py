@@ -13,23 +13,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tinyvlm import build_tiny_vlm
+from tinyvlm import random_png as png
 
 from localchat.cli.main import main
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory) -> Path:
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "qwen", "qwen2_vl")
-
-
-def png(path: Path, w: int = 90, h: int = 60, seed: int = 0) -> Path:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
-    return path
 
 
 def ask(capsys, model, *args):

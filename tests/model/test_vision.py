@@ -13,18 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tinyvlm import FAMILIES, build_tiny_vlm
+from tinyvlm import FAMILIES, build_tiny_vlm, random_png
 
 ROOT = Path(__file__).parents[2]
 
 
-def picture(path: Path, w: int = 90, h: int = 60, seed: int = 0) -> Path:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(path)
-    return path
+picture = random_png
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from serving import Server, post
-from tinyvlm import build_tiny_vlm
+from tinyvlm import build_tiny_vlm, random_image
 
 from localchat.server import anthropic_api, openai_api
 from localchat.server.chat import ApiError
@@ -38,12 +38,8 @@ def vlms(tmp_path_factory) -> dict[str, Path]:
 
 
 def png(w: int = 90, h: int = 60, seed: int = 0) -> bytes:
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
     out = io.BytesIO()
-    Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(out, "PNG")
+    random_image(w, h, seed).save(out, "PNG")
     return out.getvalue()
 
 

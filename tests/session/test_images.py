@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tinyvlm import FAMILIES, build_tiny_vlm
+from tinyvlm import FAMILIES, build_tiny_vlm, random_image
 
 from localchat.events import TurnFinished
 from localchat.session.generation import TurnOptions
@@ -20,11 +20,9 @@ COLD = TurnOptions(max_tokens=8, no_cache=True)
 
 
 def picture(path: Path, w: int = 90, h: int = 60, seed: int = 0, transpose: bool = False):
-    import numpy as np
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
-    image = Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))
+    image = random_image(w, h, seed)
     (image.transpose(Image.Transpose.TRANSPOSE) if transpose else image).save(path)
     return path
 
