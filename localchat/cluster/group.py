@@ -8,6 +8,7 @@ have (``local_only``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -23,6 +24,22 @@ HEARTBEAT_S = 1.0
 
 class ClusterLost(LocalchatError):
     """A follower died, cannot be reached, or the ranks fell out of step."""
+
+
+@contextlib.contextmanager
+def reported(group):
+    """A call every rank makes: when it ends, or fails with the same LocalchatError on every
+    rank (they raise it at the same point), the followers' reports are checked
+    (``group.finish``); a lost rank has nothing to report."""
+    try:
+        yield
+    except ClusterLost:
+        raise
+    except LocalchatError:
+        group.finish()
+        raise
+    else:
+        group.finish()
 
 
 def follower_timeout() -> float:

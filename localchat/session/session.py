@@ -35,8 +35,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import crashlog, paths
-from ..cluster.group import ClusterLost
-from ..errors import BadInput, ContextFull, ConversationNotFound, LocalchatError, StorageError
+from ..cluster.group import ClusterLost, reported
+from ..errors import BadInput, ContextFull, ConversationNotFound, StorageError
 from ..events import DraftProgress, Event, Notice, PrefillProgress, ReplyChunk, TurnFinished, Usage
 from ..kvcache import quality as kvquality
 from ..kvcache.folder import CacheFolder, CacheInvalid
@@ -291,7 +291,7 @@ class Session:
                              for m in self.store.messages(conv)]})
             marker = crashlog.turn_started(self.locks_dir, conv.id, conv.name)
             try:
-                with self._reported():
+                with reported(self.group):
                     reason = self.conversations.cut(conv, cut) if cut else ""
                     yield from self._turn(conv, new, options, cancel, t0, reason)
             finally:
@@ -451,23 +451,8 @@ class Session:
         t0 = now()
         self.group.command("complete", lambda: {
             "messages": messages, "pool": id(pool), "options": dataclasses.asdict(options)})
-        with self._reported():
+        with reported(self.group):
             yield from self._complete(messages, pool, options, cancel, t0)
-
-    @contextlib.contextmanager
-    def _reported(self):
-        """A call every rank makes: when it ends, or fails with the same LocalchatError on
-        every rank (they raise it at the same point), the followers' reports are checked
-        (``group.finish``); a lost rank has nothing to report."""
-        try:
-            yield
-        except ClusterLost:
-            raise
-        except LocalchatError:
-            self.group.finish()
-            raise
-        else:
-            self.group.finish()
 
     def _complete(self, messages, pool, options, cancel, t0):
         tokens, max_tokens = self.render_checked(messages, options.max_tokens,
