@@ -18,8 +18,7 @@ import openai
 import pydantic
 import pytest
 from serving import Server, post
-from test_server_tools import TOOLS_TEMPLATE
-from tiny import build_tiny_model
+from test_server_tools import tiny_tool_model
 
 from localchat.store.database import Store
 
@@ -61,11 +60,7 @@ def valid_call(name: str, arguments: str) -> bool:
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory) -> Path:
-    folder = build_tiny_model(tmp_path_factory.mktemp("strict") / "tiny-tools")
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOLS_TEMPLATE
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return tiny_tool_model(tmp_path_factory.mktemp("strict") / "tiny-tools")
 
 
 @pytest.fixture(scope="module")

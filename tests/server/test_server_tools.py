@@ -30,14 +30,19 @@ WEATHER = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    """The tiny llama with a chat template that offers tools (mlx-lm's JSON tool parser)."""
-    folder = build_tiny_model(tmp_path_factory.mktemp("tools") / "tiny-tools")
+def tiny_tool_model(folder: Path) -> Path:
+    """The tiny llama at ``folder`` with a chat template that offers tools (mlx-lm's JSON tool
+    parser)."""
+    folder = build_tiny_model(folder)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["chat_template"] = TOOLS_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> Path:
+    return tiny_tool_model(tmp_path_factory.mktemp("tools") / "tiny-tools")
 
 
 @pytest.mark.parametrize("stream", [False, True])
