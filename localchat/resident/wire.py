@@ -88,7 +88,7 @@ def _field(obj: dict, name: str, kind, default=None, *, optional: bool = True,
         raise BadRequest(f"{where}{name}: missing")
     value = obj[name]
     if value is None and optional:
-        return None
+        return default
     if not _is(value, kind):
         raise BadRequest(f"{where}{name}: expected {kind.__name__}, not "
                          f"{type(value).__name__}")
@@ -200,15 +200,30 @@ def encode_event(ev) -> dict:
 
 def decode_event(obj: dict):
     """The event of an ``event`` line. Raises ValueError for one that is not."""
-    cls = EVENTS.get(obj.get("kind"))
-    fields = obj.get("fields")
+    kind, fields = obj.get("kind"), obj.get("fields")
+    cls = EVENTS.get(kind) if isinstance(kind, str) else None
     if cls is None or not isinstance(fields, dict):
         raise ValueError("not an event")
     try:
         if cls is events.TurnFinished:
-            fields = {**fields, "usage": events.Usage(**fields["usage"]),
+            fields = {**fields, "usage": _typed(events.Usage, fields["usage"]),
                       "tokens": tuple(fields.get("tokens", ())),
                       "tool_calls": tuple(fields.get("tool_calls", ()))}
-        return cls(**fields)
-    except (TypeError, KeyError) as err:
+        return _typed(cls, fields)
+    except (TypeError, KeyError, ValueError) as err:
         raise ValueError(f"not an event ({err})") from None
+
+
+_SIMPLE = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def _typed(cls, fields):
+    """``cls(**fields)`` where every field declared ``str``, ``int``, ``float`` or ``bool``
+    holds one (what the client prints or counts with)."""
+    if not isinstance(fields, dict):
+        raise ValueError("fields: expected an object")
+    for f in dataclasses.fields(cls):
+        kind = _SIMPLE.get(f.type if isinstance(f.type, str) else getattr(f.type, "__name__", ""))
+        if kind is not None and f.name in fields and not _is(fields[f.name], kind):
+            raise ValueError(f"{f.name}: expected {kind.__name__}")
+    return cls(**fields)
