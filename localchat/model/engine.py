@@ -8,7 +8,7 @@ the tokens fed to the model, so ``kvcache.kinds.position(cache)`` is the length 
 token list.
 ``decode`` feeds each yielded token before yielding the next one; it never feeds an EOS (the
 next turn prefills it, as the template renders it), and feeds the last allowed token only
-when the caller reads on after it.
+when the caller reads on after it (a turn does not: ``session/generation.py``).
 """
 
 from __future__ import annotations

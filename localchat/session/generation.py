@@ -219,7 +219,7 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
                 run.t_first = now()
             run.generated.append(tok)
             # engine.decode has fed every token it yielded, except an EOS and the last
-            # allowed one (fed when the loop reads on: see the else below).
+            # allowed one (fed only if the loop reads on: see below).
             final = tok in engine.eos_ids or len(run.generated) >= max_tokens
             run.fed = start.pos + len(new_tokens) + len(run.generated) - final
             run.t_last = now()
@@ -254,10 +254,16 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
             if stop():
                 run.stopped, run.finish = True, "cancelled"
                 break
+            if len(run.generated) >= max_tokens:
+                run.finish = "length"
+                # The last allowed token is fed only where the reply would otherwise end the
+                # cache inside a character: feeding it costs a decode step now, where the
+                # next turn prefills it in its first chunk almost free.
+                if not ends_mid_character(engine, run.generated):
+                    break
         else:
             if run.generated and len(run.generated) >= max_tokens:
-                run.fed += 1
-                run.finish = "length"
+                run.fed += 1  # (read on: the decoder fed it)
     finally:
         steps.close()
     detok.finalize()
@@ -283,6 +289,15 @@ def generate(engine: Engine, new_tokens: list[int], start: Start, max_tokens: in
         run.reasoning = run.reasoning.strip()
     if bounded:
         run.checkpoints.append(ck.capture(cache, run.fed))
+
+
+def ends_mid_character(engine: Engine, generated: list[int]) -> bool:
+    """Whether a capped reply's tokens but its last end inside a character (a byte-level
+    tokenizer splits one over several). The cache must then hold the last token too: the next
+    turn's render keeps the reply's ids only as far as they decode to its text
+    (``Engine.render``), and bounded layers resume at a checkpoint no later than that."""
+    ids = [t for t in generated[:-1] if t not in engine.hidden_ids]
+    return engine.decode_text(ids).endswith("\ufffd")
 
 
 def chunk_tokens(total: int) -> Callable[[object], int]:

@@ -251,3 +251,25 @@ def test_a_version_3_cache_is_read_then_grows_as_version_4(store, engine, sessio
     seg.write_bytes(bytes(data))
     _, notes = run(restart(store, engine), conv, "And then?")
     assert any("checksum" in n for n in notes), notes
+
+
+def test_a_capped_reply_leaves_its_last_token_to_the_next_turn(store, engine, session):
+    """A reply cut by its cap does not feed its last token (a decode step for one token the
+    next turn prefills in its chunk), except where the cache would then end inside a
+    character; the next turn resumes everything cached, and equals a full prefill."""
+    from localchat.session.generation import ends_mid_character
+
+    split = engine.encode("서")  # byte-level: one character over several tokens
+    assert len(split) > 1 and ends_mid_character(engine, split)
+    assert not ends_mid_character(engine, [*split, *engine.encode("a")])  # (the control)
+    conv = store.create("capped", engine.ref.name)
+    first, _ = run(session, conv, "Hello, how are you today?", max_tokens=8)
+    assert first.finish == "length" and len(first.tokens) == 8
+    fed = len(session.cache_folder(conv).manifest().tokens)
+    mid = ends_mid_character(engine, list(first.tokens))
+    assert fed == first.usage.prompt_tokens + 8 - (0 if mid else 1)
+    second, _ = run(restart(store, engine), conv, "And tomorrow?")
+    assert second.usage.cached_tokens == fed and second.usage.miss_reason == ""
+    reference = full_prefill_reply(store, engine, conv, "And tomorrow?",
+                                   store.messages(conv)[:-2])
+    assert second.tokens == reference.tokens

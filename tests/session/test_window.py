@@ -68,7 +68,9 @@ def test_a_fork_keeps_the_window_its_parent_moved(home, store, small):
     engine = small("llama")
     store.create("parent", engine.ref.name)
     cut = False
-    for prompt in PROMPTS:
+    # Prompts half as long: the window grows past half the context with room left for the
+    # fork's turn (how a random model's bytes re-tokenize moves a turn by a few tokens).
+    for prompt in [p[:len(p) // 2] for p in PROMPTS]:
         got, _ = turn(store, engine, store.get("parent"), prompt)
         cut = cut or got.usage.miss_reason.startswith("context full")
         if cut and got.usage.prompt_tokens > CONTEXT // 2:
