@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import traceback
 from pathlib import Path
 
 from . import paths
@@ -33,6 +32,8 @@ def write(error: BaseException, what: str = "localchat") -> Path | None:
     try:
         folder = paths.ensure(paths.logs_dir())
         path = folder / f"crash-{stamp}-{os.getpid()}.log"
+        import traceback  # (here: a start that never crashes skips its imports)
+
         text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:

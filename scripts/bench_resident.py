@@ -4,7 +4,8 @@ resident answers, side by side with the same ask run in its own process, in one 
 On the default model (or -m MODEL), each conversation a ~1k-token history, 4 tokens a turn:
 - in-process: ``ask`` with ``--keep-alive 0`` (what every ask was before: it loads the model);
 - first ask: no resident yet (``localchat stop`` before each trial), so this ask runs its
-  turn itself and starts one as it ends (the bench waits until it has loaded);
+  turn itself and starts one as it ends (the bench waits until it has loaded); compared with an
+  in-process ask in the same state (no resident alive, the two in alternating order);
 - resident: the second and later asks of a conversation, answered by the warm resident
   (trials alternating with the in-process ones, so each sees the same machine);
 - eight at once: eight asks on eight conversations spawned together, each its own process
@@ -130,10 +131,16 @@ def main() -> None:
             for kind, cmd, name in (("in-process", here, "here"), ("resident", there, "resident")):
                 runs[kind].append(timed([*cmd, "-c", name, f"Question {i}?"], env))
         served = residents(env)
-        for i in range(trials):  # no resident: this ask runs its turn and starts one
+        # No resident: the first ask runs its turn and starts one; beside it, in the same
+        # state (none alive, the order alternating), an ask in its own process.
+        again = {"in-process": [], "first ask": []}
+        for i in range(trials):
             benchlib.run(stop, env)
-            runs["first ask"].append(timed([*there, "-c", "first", f"Question {i}?"], env))
+            pair = [("in-process", here, "here"), ("first ask", there, "first")]
+            for kind, cmd, name in pair if i % 2 == 0 else pair[::-1]:
+                again[kind].append(timed([*cmd, "-c", name, f"Alone {i}?"], env))
             ready(env)
+        runs["first ask"] = again["first ask"]
         # Eight at once: eight processes with a model each, then through the warm resident.
         crowd_here, crowd_there, models_there = [], [], []
         for i in range(max(1, trials // 2)):
@@ -158,11 +165,14 @@ def main() -> None:
     first = {k: med([x[0] for x in v]) for k, v in runs.items()}
     ended = {k: med([x[1] for x in v]) for k, v in runs.items()}
     base = ended["in-process"]
+    alone = benchlib.median([x[1] for x in again["in-process"]])
     print(f"# resident model · {model} · ~{history}-token history · 4 tokens · "
           f"{benchlib.machine()} · median of {trials} · trials alternating")
     benchlib.print_table(
         ["ask resumed", "process start to first token s", "to exit s", "exit vs in-process"],
-        [[k, first[k], ended[k], f"{benchlib.ratio(ended[k], base):.2f}x"] for k in runs])
+        [[k, first[k], ended[k], f"{benchlib.ratio(ended[k], base):.2f}x"] for k in runs]
+        + [["in-process, no resident alive", benchlib.median([x[0] for x in again["in-process"]]),
+            alone, f"{benchlib.ratio(alone, base):.2f}x"]])
     print()
     here_s, there_s = med(crowd_here), med(crowd_there)
     benchlib.print_table(
@@ -177,7 +187,8 @@ def main() -> None:
         "machine": benchlib.machine(), "history_tokens": history, "trials": trials,
         "first_token_s": first, "exit_s": ended,
         "resident_vs_in_process": benchlib.ratio(ended["resident"], base),
-        "first_ask_minus_in_process_s": ended["first ask"] - base,
+        "first_ask_minus_in_process_s": ended["first ask"] - alone,
+        "in_process_no_resident_exit_s": alone,
         "turns_served": served[0]["turns"] if served else 0,
         "crowd": crowd, "crowd_in_process_s": here_s, "crowd_resident_s": there_s,
         "crowd_speedup": benchlib.ratio(here_s, there_s), "crowd_models": max(models_there),

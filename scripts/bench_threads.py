@@ -5,7 +5,9 @@ For each machine state (quiet; loaded: the busy processes started before and kil
 child process loads the default model (or -m MODEL) once and runs greedy turns (``generate``,
 prompt lookup off, a fresh cache each) under each setting in turn — 1 thread pinned, all
 cores pinned (OpenBLAS's default, today's), and ``auto`` (a fresh controller each turn, so
-its learning is in the figure) — rotating the order each trial; median of the trials. The
+its learning is in the figure) — rotating the order each trial; median of the trials. Then
+``auto, kept``: one controller over three turns, the later two timed (the app, ``serve`` and a
+resident model keep theirs: a decode move carries over to the next turn's prefill). The
 table gives decode and prefill tok/s side by side, ``auto`` over the better fixed count, and
 over all cores (quiet: what the controller costs where it should change nothing).
 
@@ -48,9 +50,10 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
     ids = engine.render([{"role": "user", "content": PROMPT * 8}])
     ids = ids[:max(0, prompt - 16)] + ids[-16:]  # (the end: the template's reply opening)
 
-    def turn(value: str, tokens: int = tokens) -> dict:
+    def turn(value: str, tokens: int = tokens, fresh: bool = True) -> dict:
         os.environ[threads.ENV] = value
-        threads.install(path)
+        if fresh:
+            threads.install(path)
         run = Run()
         list(generate(engine, ids, Start(engine.new_cache(), 0, {}), tokens,
                       TurnOptions(max_tokens=tokens, speculate="off"), Cancel(), run))
@@ -67,6 +70,13 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
         shift = trial % len(settings)
         for name, value in settings[shift:] + settings[:shift]:
             got[name].append(turn(value))
+    # The app, `serve` and a resident model keep one controller over their turns: the turns
+    # after the first, once it has learnt (decode's move carries over to the next prefill).
+    kept = []
+    for _ in range(trials):
+        turn("auto")
+        kept += [turn("auto", fresh=False) for _ in range(2)]
+    got["auto, kept"] = kept
     out = {}
     for name, runs in got.items():
         out[name] = {"decode_tps": benchlib.median([r["decode_tps"] for r in runs]),
@@ -75,7 +85,7 @@ def measure(model: str | None, trials: int, prompt: int, tokens: int) -> dict:
                      "choice": runs[-1]["choice"], "last_change": runs[-1]["last_change"]}
     same = [all(got[n][t]["tokens"] == got[settings[1][0]][t]["tokens"] for n in got)
             for t in range(trials)]
-    return {"cores": cores, "settings": [n for n, _ in settings], "figures": out,
+    return {"cores": cores, "settings": [n for n, _ in settings] + ["auto, kept"], "figures": out,
             "same_text": all(same)}
 
 
@@ -106,7 +116,7 @@ def main() -> None:
     rows, summary = [], {}
     for state, found in states.items():
         fig = found["figures"]
-        one, all_, auto = (fig[n] for n in found["settings"])
+        one, all_, auto, kept = (fig[n] for n in found["settings"])
         best = max(one["decode_tps"], all_["decode_tps"])
         summary[state] = {"auto_vs_best_fixed": benchlib.ratio(auto["decode_tps"], best),
                           "auto_vs_all_cores": benchlib.ratio(auto["decode_tps"],
@@ -114,6 +124,7 @@ def main() -> None:
         rows.append([state, one["decode_tps"], all_["decode_tps"], auto["decode_tps"],
                      summary[state]["auto_vs_best_fixed"], summary[state]["auto_vs_all_cores"],
                      one["prefill_tps"], all_["prefill_tps"], auto["prefill_tps"],
+                     kept["decode_tps"], kept["prefill_tps"],
                      f"decode {auto['choice']['decode']}, prefill {auto['choice']['prefill']}",
                      "yes" if found["same_text"] else "no"])
     print(f"# BLAS threads · {benchlib.machine()} · {prompt}-token prompt, {tokens} tokens "
@@ -122,7 +133,8 @@ def main() -> None:
     n = states["quiet"]["settings"][1]
     benchlib.print_table(["machine", "decode 1 thread", f"decode {n}", "decode auto",
                           "auto / best fixed", f"auto / {n}", "prefill 1", f"prefill {n}",
-                          "prefill auto", "auto chose", "same text"], rows)
+                          "prefill auto", "decode auto kept", "prefill auto kept",
+                          "auto chose", "same text"], rows)
     for state, found in states.items():
         if change := found["figures"]["auto"]["last_change"]:
             print(f"# {state}: auto's last change: {change}")

@@ -10,7 +10,7 @@ import sys
 from .. import paths
 from ..errors import BadInput
 from ..fmt import human_bytes, snippet, visible
-from ..model.resolve import DEFAULT_MODEL
+from ..model.names import DEFAULT_MODEL
 
 
 def open_store():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import sys
@@ -20,24 +21,6 @@ from typing import NoReturn
 from .. import crashlog, paths
 from ..errors import BadInput, LocalchatError
 from ..fmt import say
-from ..model.resolve import DEFAULT_MODEL
-from ..server.run import cmd_serve
-from ..session.window import POLICIES, SERVE_POLICIES
-from .ask import cmd_ask
-from .data import (
-    cmd_cache,
-    cmd_export,
-    cmd_fork,
-    cmd_list,
-    cmd_models,
-    cmd_rm,
-    cmd_search,
-    cmd_show,
-    cmd_summary,
-    open_store,
-)
-from .inspection import cmd_inspect
-from .residents import cmd_ps, cmd_stop
 from .start import (
     add_cluster_flags,
     add_constraint_flags,
@@ -50,11 +33,27 @@ from .start import (
     start_cluster,
     thinking_setting,
 )
-from .tooluse import add_tool_flags, cmd_mcp
+
+# Each command's handler, as (module, name): a module is imported only when its command's
+# parser is built, so `ask` answered by a resident model imports none of `serve`'s, `inspect`'s
+# or the data commands' (``build_parser(only=...)``).
+COMMANDS = {
+    "chat": (".main", "cmd_chat"), "ask": (".ask", "cmd_ask"), "batch": (".main", "cmd_batch"),
+    "list": (".data", "cmd_list"), "show": (".data", "cmd_show"),
+    "search": (".data", "cmd_search"), "export": (".data", "cmd_export"),
+    "rm": (".data", "cmd_rm"), "summary": (".data", "cmd_summary"),
+    "fork": (".data", "cmd_fork"), "cache": (".data", "cmd_cache"),
+    "models": (".data", "cmd_models"), "ps": (".residents", "cmd_ps"),
+    "stop": (".residents", "cmd_stop"), "mcp": (".tooluse", "cmd_mcp"),
+    "inspect": (".inspection", "cmd_inspect"), "serve": ("..server.run", "cmd_serve"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # `localchat COMMAND …`: that command's parser alone (the same help, errors and defaults;
+    # the others' modules stay unimported); anything else, the whole parser.
+    parser = build_parser(only=argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     handler: Callable = getattr(args, "handler", None) or cmd_chat
     paths.keep_private()
@@ -81,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             launch.shutdown()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``localchat`` parser; ``only``: with that command's subparser alone."""
     p = argparse.ArgumentParser(
         prog="localchat",
         description="Chat with a local model; each conversation keeps its KV cache on disk.",
@@ -89,133 +89,161 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(metavar="COMMAND")
 
-    def add(name, fn, **kw):
+    def add(name, **kw):
+        where, attr = COMMANDS[name]
+        fn = getattr(importlib.import_module(where, __package__), attr)
         sp = sub.add_parser(name, help=(fn.__doc__ or "").splitlines()[0],
                             description=fn.__doc__, **kw)
         sp.set_defaults(handler=fn)
         return sp
 
-    c = add("chat", cmd_chat)
-    c.add_argument("-c", "--conversation", metavar="NAME")
-    c.add_argument("-m", "--model", metavar="MODEL")
-    add_kv_flags(c)
-    add_overflow_flag(c)
-    add_speculate_flag(c)
-    add_cluster_flags(c)
+    def want(name: str) -> bool:
+        return only is None or only == name
 
-    a = add("ask", cmd_ask)
-    a.add_argument("prompt", nargs="?", metavar="PROMPT", help="the message; '-' reads stdin")
-    a.add_argument("-c", "--conversation", metavar="NAME",
-                   help="conversation to continue (created if new)")
-    a.add_argument("-m", "--model", metavar="MODEL",
-                   help="'default', a local MLX model folder or a Hub repo id")
-    a.add_argument("--system", metavar="TEXT", help="system prompt of the conversation")
-    a.add_argument("--max-tokens", type=int, default=1024, metavar="N")
-    a.add_argument("--temp", type=float, default=0.0, metavar="T",
-                   help="sampling temperature; 0 (default) is greedy")
-    a.add_argument("--seed", type=int, default=None, help="random seed when --temp > 0")
-    a.add_argument("--no-cache", action="store_true",
-                   help="ignore the stored KV cache (full prefill), then store a fresh one")
-    a.add_argument("--json", action="store_true", help="print one JSON object")
-    a.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="an image the message holds (repeat for more; a vision model: "
-                        "docs/images.md)")
-    add_constraint_flags(a)
-    add_tool_flags(a)
-    add_thinking_flag(a)
-    add_overflow_flag(a)
-    add_speculate_flag(a)
-    a.add_argument("--show-thinking", action="store_true",
-                   help="print a reasoning model's thinking before its answer")
-    add_kv_flags(a)
-    add_keep_alive_flag(a)
-    add_cluster_flags(a)
-    edit = a.add_mutually_exclusive_group()
-    edit.add_argument("--regenerate", action="store_true",
-                      help="drop the last reply of -c NAME and answer its last message again")
-    edit.add_argument("--edit-last", action="store_true",
-                      help="replace the last message of -c NAME by PROMPT and answer it")
+    if want("chat"):
+        c = add("chat")
+        c.add_argument("-c", "--conversation", metavar="NAME")
+        c.add_argument("-m", "--model", metavar="MODEL")
+        add_kv_flags(c)
+        add_overflow_flag(c)
+        add_speculate_flag(c)
+        add_cluster_flags(c)
 
-    b = add("batch", cmd_batch)
-    b.add_argument("file", metavar="FILE.jsonl", help="input lines; '-' reads stdin")
-    b.add_argument("-o", "--output", metavar="OUT.jsonl")
-    b.add_argument("-m", "--model", metavar="MODEL")
-    b.add_argument("--max-tokens", type=int, default=256, metavar="N")
-    b.add_argument("--temp", type=float, default=0.0, metavar="T")
-    b.add_argument("--resume", action="store_true",
-                   help="skip ids already present in OUT.jsonl")
-    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
-    add_kv_flags(b, "for the conversations of `conversation` lines")
-    add_overflow_flag(b)
-    b.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="decode up to N prompt lines together (faster; greedy replies may "
-                        "differ from one-at-a-time in rare tokens)")
-    add_constraint_flags(b, "each reply (a line's own schema, regex or grammar comes first)")
-    add_thinking_flag(b)
-    add_speculate_flag(b)
-    add_cluster_flags(b)
+    if want("ask"):
+        a = add("ask")
+        a.add_argument("prompt", nargs="?", metavar="PROMPT", help="the message; '-' reads stdin")
+        a.add_argument("-c", "--conversation", metavar="NAME",
+                       help="conversation to continue (created if new)")
+        a.add_argument("-m", "--model", metavar="MODEL",
+                       help="'default', a local MLX model folder or a Hub repo id")
+        a.add_argument("--system", metavar="TEXT", help="system prompt of the conversation")
+        a.add_argument("--max-tokens", type=int, default=1024, metavar="N")
+        a.add_argument("--temp", type=float, default=0.0, metavar="T",
+                       help="sampling temperature; 0 (default) is greedy")
+        a.add_argument("--seed", type=int, default=None, help="random seed when --temp > 0")
+        a.add_argument("--no-cache", action="store_true",
+                       help="ignore the stored KV cache (full prefill), then store a fresh one")
+        a.add_argument("--json", action="store_true", help="print one JSON object")
+        a.add_argument("--image", action="append", default=[], metavar="PATH",
+                       help="an image the message holds (repeat for more; a vision model: "
+                            "docs/images.md)")
+        add_constraint_flags(a)
+        from .tooluse import add_tool_flags
 
-    ls = add("list", cmd_list)
-    ls.add_argument("--json", action="store_true")
-    s = add("show", cmd_show)
-    s.add_argument("name", metavar="NAME")
-    s.add_argument("--json", action="store_true")
-    s.add_argument("--show-thinking", action="store_true",
-                   help="print a reasoning model's thinking before each reply")
-    se = add("search", cmd_search)
-    se.add_argument("query", metavar="QUERY")
-    se.add_argument("--json", action="store_true")
-    se.add_argument("--limit", type=int, default=50, metavar="N")
-    e = add("export", cmd_export)
-    e.add_argument("name", metavar="NAME")
-    e.add_argument("--format", choices=["md", "json"], default="md")
-    e.add_argument("--no-thinking", action="store_true",
-                   help="leave out a reasoning model's thinking")
-    r = add("rm", cmd_rm)
-    r.add_argument("name", metavar="NAME")
-    su = add("summary", cmd_summary)
-    su.add_argument("name", metavar="NAME")
-    su.add_argument("--set", default=None, metavar="TEXT",
-                    help="replace the summary (- reads stdin); the next turn renders it")
-    f = add("fork", cmd_fork)
-    f.add_argument("name", metavar="NAME")
-    f.add_argument("new", metavar="NEW")
-    f.add_argument("--at", type=int, default=None, metavar="N",
-                   help="keep the first N messages (default: all)")
-    ca = add("cache", cmd_cache)
-    ca.add_argument("action", choices=["prune"], help="prune: free space now")
-    ca.add_argument("--to", metavar="SIZE", default=None,
-                    help="prune down to SIZE (e.g. 2G; default: LOCALCHAT_CACHE_LIMIT)")
-    add("models", cmd_models)
-    ps = add("ps", cmd_ps)
-    ps.add_argument("--json", action="store_true", help="one JSON object per process")
-    st = add("stop", cmd_stop)
-    st.add_argument("model", nargs="?", metavar="MODEL", help="only this model's")
-    mc = add("mcp", cmd_mcp)
-    mc.add_argument("action", choices=["list"], help="list: start each server, show its tools")
-    mc.add_argument("--mcp", metavar="FILE", help="the config (default: $LOCALCHAT_HOME/mcp.json)")
-    mc.add_argument("--json", action="store_true")
-    i = add("inspect", cmd_inspect)
-    i.add_argument("-m", "--model", metavar="MODEL")
-    i.add_argument("-c", "--conversation", metavar="NAME",
-                   help="what this conversation's cache holds and what each turn saved")
-    i.add_argument("--json", action="store_true")
-    sv = add("serve", cmd_serve)
-    sv.add_argument("--host", default="127.0.0.1",
-                    help="address to listen on (default 127.0.0.1; others need --api-key)")
-    sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("-m", "--model", metavar="MODEL")
-    sv.add_argument("--api-key", metavar="KEY", help="clients must send it (or set "
-                    "LOCALCHAT_API_KEY, which keeps it off the command line)")
-    sv.add_argument("--queue", type=int, default=16, metavar="N",
-                    help="requests that may wait to start (more get 429)")
-    sv.add_argument("--max-batch", type=int, default=None, metavar="N",
-                    help="requests decoded together (default 8; 1: one at a time)")
-    sv.add_argument("--context-overflow", choices=SERVE_POLICIES, default="stop",
-                    help="a request longer than the context: stop (default: 400 "
-                    "context_length_exceeded, as the APIs do) or truncate (the oldest turns "
-                    "are left out)")
-    add_speculate_flag(sv)
+        add_tool_flags(a)
+        add_thinking_flag(a)
+        add_overflow_flag(a)
+        add_speculate_flag(a)
+        a.add_argument("--show-thinking", action="store_true",
+                       help="print a reasoning model's thinking before its answer")
+        add_kv_flags(a)
+        add_keep_alive_flag(a)
+        add_cluster_flags(a)
+        edit = a.add_mutually_exclusive_group()
+        edit.add_argument("--regenerate", action="store_true",
+                          help="drop the last reply of -c NAME and answer its last message again")
+        edit.add_argument("--edit-last", action="store_true",
+                          help="replace the last message of -c NAME by PROMPT and answer it")
+
+    if want("batch"):
+        b = add("batch")
+        b.add_argument("file", metavar="FILE.jsonl", help="input lines; '-' reads stdin")
+        b.add_argument("-o", "--output", metavar="OUT.jsonl")
+        b.add_argument("-m", "--model", metavar="MODEL")
+        b.add_argument("--max-tokens", type=int, default=256, metavar="N")
+        b.add_argument("--temp", type=float, default=0.0, metavar="T")
+        b.add_argument("--resume", action="store_true",
+                       help="skip ids already present in OUT.jsonl")
+        b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+        add_kv_flags(b, "for the conversations of `conversation` lines")
+        add_overflow_flag(b)
+        b.add_argument("--parallel", type=int, default=1, metavar="N",
+                       help="decode up to N prompt lines together (faster; greedy replies may "
+                            "differ from one-at-a-time in rare tokens)")
+        add_constraint_flags(b, "each reply (a line's own schema, regex or grammar comes first)")
+        add_thinking_flag(b)
+        add_speculate_flag(b)
+        add_cluster_flags(b)
+
+    if want("list"):
+        ls = add("list")
+        ls.add_argument("--json", action="store_true")
+    if want("show"):
+        s = add("show")
+        s.add_argument("name", metavar="NAME")
+        s.add_argument("--json", action="store_true")
+        s.add_argument("--show-thinking", action="store_true",
+                       help="print a reasoning model's thinking before each reply")
+    if want("search"):
+        se = add("search")
+        se.add_argument("query", metavar="QUERY")
+        se.add_argument("--json", action="store_true")
+        se.add_argument("--limit", type=int, default=50, metavar="N")
+    if want("export"):
+        e = add("export")
+        e.add_argument("name", metavar="NAME")
+        e.add_argument("--format", choices=["md", "json"], default="md")
+        e.add_argument("--no-thinking", action="store_true",
+                       help="leave out a reasoning model's thinking")
+    if want("rm"):
+        r = add("rm")
+        r.add_argument("name", metavar="NAME")
+    if want("summary"):
+        su = add("summary")
+        su.add_argument("name", metavar="NAME")
+        su.add_argument("--set", default=None, metavar="TEXT",
+                        help="replace the summary (- reads stdin); the next turn renders it")
+    if want("fork"):
+        f = add("fork")
+        f.add_argument("name", metavar="NAME")
+        f.add_argument("new", metavar="NEW")
+        f.add_argument("--at", type=int, default=None, metavar="N",
+                       help="keep the first N messages (default: all)")
+    if want("cache"):
+        ca = add("cache")
+        ca.add_argument("action", choices=["prune"], help="prune: free space now")
+        ca.add_argument("--to", metavar="SIZE", default=None,
+                        help="prune down to SIZE (e.g. 2G; default: LOCALCHAT_CACHE_LIMIT)")
+    if want("models"):
+        add("models")
+    if want("ps"):
+        ps = add("ps")
+        ps.add_argument("--json", action="store_true", help="one JSON object per process")
+    if want("stop"):
+        st = add("stop")
+        st.add_argument("model", nargs="?", metavar="MODEL", help="only this model's")
+    if want("mcp"):
+        mc = add("mcp")
+        mc.add_argument("action", choices=["list"],
+                        help="list: start each server, show its tools")
+        mc.add_argument("--mcp", metavar="FILE",
+                        help="the config (default: $LOCALCHAT_HOME/mcp.json)")
+        mc.add_argument("--json", action="store_true")
+    if want("inspect"):
+        i = add("inspect")
+        i.add_argument("-m", "--model", metavar="MODEL")
+        i.add_argument("-c", "--conversation", metavar="NAME",
+                       help="what this conversation's cache holds and what each turn saved")
+        i.add_argument("--json", action="store_true")
+    if want("serve"):
+        from ..session.window import SERVE_POLICIES
+
+        sv = add("serve")
+        sv.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; others need --api-key)")
+        sv.add_argument("--port", type=int, default=8080)
+        sv.add_argument("-m", "--model", metavar="MODEL")
+        sv.add_argument("--api-key", metavar="KEY", help="clients must send it (or set "
+                        "LOCALCHAT_API_KEY, which keeps it off the command line)")
+        sv.add_argument("--queue", type=int, default=16, metavar="N",
+                        help="requests that may wait to start (more get 429)")
+        sv.add_argument("--max-batch", type=int, default=None, metavar="N",
+                        help="requests decoded together (default 8; 1: one at a time)")
+        sv.add_argument("--context-overflow", choices=SERVE_POLICIES, default="stop",
+                        help="a request longer than the context: stop (default: 400 "
+                        "context_length_exceeded, as the APIs do) or truncate (the oldest turns "
+                        "are left out)")
+        add_speculate_flag(sv)
     return p
 
 
@@ -223,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def add_overflow_flag(p) -> None:
+    from ..session.window import POLICIES
+
     p.add_argument("--context-overflow", choices=POLICIES, default=None,
                    help="when the conversation fills the context: truncate (the default: the "
                    "oldest turns leave the model's window, all stay stored), summarize (as "
@@ -235,7 +265,9 @@ def add_overflow_flag(p) -> None:
 
 def cmd_chat(args) -> int:
     """Open the chat app (the default command)."""
+    from ..model.names import DEFAULT_MODEL
     from ..tui.run import run_app
+    from .data import open_store
 
     model = getattr(args, "model", None)
     group = None

@@ -33,9 +33,8 @@ from ..errors import ModelBroken, ModelNotFound
 from ..files import read_memo, sha256_file, write_memo
 from ..paths import digests_path, models_dir
 from .defaults import WRITTEN
+from .names import DEFAULT_ALIASES, DEFAULT_MODEL
 
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_ALIASES = {"default", DEFAULT_MODEL, "smollm2-135m-instruct"}
 FINGERPRINTED_FILES = (
     "config.json",
     "tokenizer.json",

@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -143,6 +142,8 @@ class Starter:
     def start(self) -> None:
         """Spawn the resident, detached, and hand it the lock (it lets go once it listens);
         no waiting. A resident that fails leaves its reason for the next ask."""
+        import subprocess  # (here: a client a resident answers starts none)
+
         place, fd = self.place, self.lock.fileno()
         try:
             paths.ensure(place.log.parent)

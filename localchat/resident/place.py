@@ -66,7 +66,7 @@ def keep_alive(flag: str | None) -> float:
 
 def model_key(spec: str | None) -> str:
     """The model as a resident is keyed: the default's aliases as one, a folder absolute."""
-    from ..model.resolve import DEFAULT_ALIASES, DEFAULT_MODEL
+    from ..model.names import DEFAULT_ALIASES, DEFAULT_MODEL
 
     if spec is None or spec in DEFAULT_ALIASES:
         return DEFAULT_MODEL
@@ -89,14 +89,26 @@ def code_digest() -> str:
     per file, ~1 ms; a change anywhere makes another digest)."""
     global _DIGEST
     if _DIGEST is None:
-        root = Path(__file__).resolve().parent.parent
+        root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
         h = hashlib.sha256(f"{sys.version}\0{sys.executable}\0{root}\0".encode())
-        for f in sorted(root.rglob("*.py")):
-            with contextlib.suppress(OSError):
-                st = f.stat()
-                h.update(f"{f.relative_to(root)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+        for rel, st in sorted(_sources(root, "")):
+            h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
         _DIGEST = h.hexdigest()[:16]
     return _DIGEST
+
+
+def _sources(folder: str, rel: str) -> list[tuple[str, os.stat_result]]:
+    """Every ``.py`` file under ``folder``: (its path relative to the package root, its stat)
+    (``os.scandir``: a quarter of what ``Path.rglob`` costs a client)."""
+    found = []
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for e in entries:
+            with contextlib.suppress(OSError):
+                if e.is_dir(follow_symlinks=False) and e.name != "__pycache__":
+                    found += _sources(e.path, f"{rel}{e.name}/")
+                elif e.name.endswith(".py") and e.is_file():
+                    found.append((rel + e.name, e.stat()))
+    return found
 
 
 def run_dir() -> Path:

@@ -21,12 +21,14 @@ class Cli:
     def __init__(self, home: Path, keep_alive: str = "60"):
         self.home = home
         self.keep_alive = keep_alive
+        self.extra: dict[str, str] = {}  # more environment for every process it starts
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     def env(self, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("LOCALCHAT_")}
         env.update(LOCALCHAT_HOME=str(self.home), LOCALCHAT_KEEP_ALIVE=self.keep_alive,
                    TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+        env.update(self.extra)
         env.update(extra)
         return env
 

@@ -120,6 +120,11 @@ def test_ask_prints_the_same_bytes_through_the_resident_as_in_process(cli, tiny_
     # on which conversations came before): stdout, stderr and status compare byte for byte.
     here = Cli(tmp_path / "here", keep_alive="0")
     clis = (cli, here)
+    # One BLAS thread count for both (the controller may choose another in each process
+    # under load): other float sums give other K/V bits, so other checksums in the manifest,
+    # whose decimal length changes "bytes_written" by a byte now and then.
+    for c in clis:
+        c.extra["LOCALCHAT_BLAS_THREADS"] = "2"
     for c in clis:
         c.ask("-m", str(tiny_model), "-c", "warm", "hi", "--max-tokens", "2")  # starts it
     pid = cli.resident()
@@ -252,7 +257,7 @@ def test_resident_killed_mid_turn_keeps_the_message(cli, tiny_model, when):
         pytest.fail("each reply ended before it could be stopped")
     os.kill(pid, signal.SIGKILL)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 1, err.decode()
     lines = err.decode().strip().splitlines()
     assert lines[-1].startswith("localchat: error: the resident model process "
                                 f"(pid {pid}) ended during the turn; your message is saved")
@@ -260,7 +265,9 @@ def test_resident_killed_mid_turn_keeps_the_message(cli, tiny_model, when):
     assert [m[:2] for m in cli.messages("kill")][-1] == ("user", long_prompt)
     # The next ask starts a new resident; --regenerate answers the kept message.
     again = cli.ask("-c", "kill", "--regenerate", "--max-tokens", "5")
-    assert again.returncode == 0 and again.stdout.strip()
+    # (its text may be blank: how many turns the loop above took changes the conversation,
+    # and a random model may answer this one with spaces)
+    assert again.returncode == 0 and again.stdout, again.stderr
     assert cli.resident() != pid
     assert cli.messages("kill")[-1][0] == "assistant"
 
