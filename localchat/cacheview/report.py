@@ -48,6 +48,22 @@ class TurnView:
 
 
 @dataclass(frozen=True)
+class ImageSpan:
+    """An image's placeholder tokens in the cache: positions [start, end)."""
+
+    start: int
+    end: int
+    digest: str  # its content hash (``store/images.py``)
+    width: int = 0  # its size in pixels (0: its stored file is gone)
+    height: int = 0
+
+    def label(self, name: str = "") -> str:
+        """``[image NAME W×H: N tokens]`` (NAME: the file name, else the short hash)."""
+        size = f" {self.width}×{self.height}" if self.width else ""
+        return f"[image {name or self.digest[:12]}{size}: {self.end - self.start} tokens]"
+
+
+@dataclass(frozen=True)
 class CacheReport:
     name: str
     model: str
@@ -63,6 +79,7 @@ class CacheReport:
     characters: int = 0  # of the conversation's messages
     note: str = ""  # why there is no cache (damaged, none yet)
     no_estimate: str = ""  # why there is no prefill model, when there is none
+    images: list[ImageSpan] = field(default_factory=list)  # where the images' tokens are
 
     @property
     def saved_s(self) -> float:
@@ -121,7 +138,8 @@ def report(session, conv, *, calibrate: bool = True, progress=None,
                               max(0.0, full - t.ttft_s) if t.cached_tokens else 0.0))
     return CacheReport(conv.name, info.name, len(tokens), info.context_length, boundaries,
                        segments, checkpoints, kinds, kv.disk_bytes(), views, model,
-                       sum(len(m["content"]) for m in messages), note, no_estimate)
+                       sum(len(m["content"]) for m in messages), note, no_estimate,
+                       _images(engine, messages, tokens))
 
 
 def _boundaries(engine, messages: list[dict], tokens: list[int]) -> list[int]:
@@ -133,6 +151,23 @@ def _boundaries(engine, messages: list[dict], tokens: list[int]) -> list[int]:
             continue
         start = len(engine.render(messages[:i], tokens, generation_prompt=False)) if i else 0
         out.append(min(start, len(tokens)))
+    return out
+
+
+def _images(engine, messages: list[dict], tokens: list[int]) -> list[ImageSpan]:
+    """The spans of the messages' images in ``tokens``, each with its size in pixels."""
+    digests = [d for m in messages for d in m.get("images") or () if isinstance(d, str)]
+    if not digests or not tokens:
+        return []
+    from .. import paths
+    from ..store.images import ImageStore
+
+    store = ImageStore(paths.images_dir())
+    out = []
+    for start, end, digest in engine.image_spans(tokens, digests):
+        info = store.header(digest)
+        out.append(ImageSpan(start, end, digest, info.width if info else 0,
+                             info.height if info else 0))
     return out
 
 
@@ -202,6 +237,8 @@ def as_lines(r: CacheReport) -> list[str]:
            f"cache               {r.tokens:,} tokens of {r.context_length:,}; "
            f"{human_bytes(r.disk_bytes)} on disk" + (f"; {r.note}" if r.note else ""),
            f"messages start at   {', '.join(map(str, r.boundaries)) or '-'}",
+           *(["images              " + ", ".join(f"{i.label()} at {i.start}-{i.end}"
+                                                 for i in r.images)] if r.images else []),
            "segments            " + (", ".join(f"[{a}, {b}) {human_bytes(n)}"
                                               for a, b, n in r.segments) or "-"),
            "checkpoints         " + (", ".join(f"at {p} {human_bytes(n)}"

@@ -91,7 +91,7 @@ def _calls(m) -> list[str]:
 
 def _images(m) -> list[tuple[str, object]]:
     """A message's images: (hash, W×H and size, or why not; the stored file or None)."""
-    digests = [d for d in (m.extra or {}).get("images") or () if isinstance(d, str)]
+    digests = m.images
     if not digests:
         return []
     from ..store.images import ImageStore

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .. import paths
 from ..errors import BadInput
 from .tooluse import tools_wanted
 
@@ -24,17 +23,11 @@ def checked_images(args) -> list:
 
 
 def store_images(session, images: list) -> tuple[str, ...]:
-    """Store checked images in the data folder once the model is known to take them; their
-    content hashes."""
-    if not images:
-        return ()
-    if not session.engine.takes_images():
-        raise BadInput(f"{session.engine.info().name} is a text model: it cannot take "
-                       "images (use a vision model: docs/images.md)")
-    from ..store.images import ImageStore
+    """Store checked images in the data folder once the model is known to take them
+    (``session.images.keep``); their content hashes."""
+    from ..session.images import keep
 
-    store = ImageStore(paths.images_dir())
-    return tuple(store.put(data, info).digest for data, _, info in images)
+    return keep(session, images)[0]
 
 
 def line_images(session, files: tuple[str, ...]) -> tuple[str, ...]:
@@ -43,9 +36,8 @@ def line_images(session, files: tuple[str, ...]) -> tuple[str, ...]:
     file that is not an image (``store.images.check``)."""
     if not files:
         return ()
-    if not session.engine.takes_images():
-        raise BadInput(f"{session.engine.info().name} is a text model: it cannot take "
-                       "images (use a vision model: docs/images.md)")
+    from ..session.images import refuse_text_model
     from ..store.images import check
 
+    refuse_text_model(session.engine)  # (before any file is read)
     return store_images(session, [check(Path(p)) for p in files])

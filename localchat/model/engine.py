@@ -378,6 +378,16 @@ class Engine:
         """
         raise BadInput(f"{self.info().name} is a text model: it cannot take images")
 
+    def image_note(self, digest: str) -> str:
+        """One line for the user about how the model sees image ``digest`` ("": nothing to
+        say; a text model has no images)."""
+        return ""
+
+    def image_spans(self, tokens: list[int], digests: list[str]) -> list[tuple[int, int, str]]:
+        """Where the images ``digests`` are in ``tokens`` (a cache's keys): ``(start, end,
+        digest)`` each (a text model has none)."""
+        return []
+
     def unstepped(self) -> str:
         """Why a scheduler must let this model's turns make their own model calls, one turn
         at a time ("": its calls can be ``Step``s that a scheduler batches with other turns'

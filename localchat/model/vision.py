@@ -56,6 +56,7 @@ FAMILIES = {"qwen2_vl": ("<|image_pad|>", True), "qwen2_5_vl": ("<|image_pad|>",
             "smolvlm": ("<image>", False), "idefics3": ("<image>", False),
             "gemma3": ("<start_of_image>", False)}
 MEMO_IMAGES = 32  # images whose features are kept in memory
+SCALED_NOTE = 0.5  # say so when the model sees less than this share of an image's pixels
 KEY_TOP = 2**31  # keys stay int32 (``kvcache/format.py``'s MAX_TOKEN)
 INSTALL = 'pip install "localchat[vision]"'  # (scripts/setup.sh installs it)
 
@@ -85,13 +86,30 @@ class Image:
     feature rows (memoised per content hash)."""
 
     def __init__(self, digest: str, expansion: str, count: int, grid: tuple[int, int, int],
-                 inputs: dict):
+                 inputs: dict, size: tuple[int, int] = (0, 0), seen: int = 0):
         self.digest = digest
+        self.size = size  # (width, height) of the image as given
+        self.seen = seen  # pixels the model's processor makes of it (after its resize)
         self.expansion = expansion  # the text the processor puts where the placeholder was
         self.count = count  # placeholder tokens (feature rows)
         self.grid = grid  # (t, h, w) after the spatial merge (Qwen); (1, 1, count) else
         self.inputs = inputs  # the processor's arrays for this image alone
         self.rows = None  # (count, hidden) features, computed by the first prefill
+
+
+def _seen(got: dict, patch: int) -> int:
+    """The pixels the processor's output holds of one image: Qwen's grid of ``patch``-pixel
+    patches, else its tiles (SmolVLM's global view, a copy of the rest, not counted)."""
+    if "image_grid_thw" in got:
+        _, h, w = (int(v) for v in got["image_grid_thw"].tolist()[0])
+        return h * w * patch * patch
+    shape = getattr(got.get("pixel_values"), "shape", None)  # (…, tiles, channels, H, W)
+    if shape is None or len(shape) < 3:
+        return 0
+    tiles = 1
+    for n in shape[:-3]:
+        tiles *= int(n)
+    return int(shape[-1]) * int(shape[-2]) * (tiles - 1 if tiles > 1 else 1)
 
 
 class TextModel:
@@ -255,11 +273,46 @@ class VisionEngine(Engine):
         inputs["input_ids"] = got["input_ids"]
         if "attention_mask" in got:
             inputs["mask"] = got["attention_mask"]  # (Gemma 3 merges with it)
-        entry = Image(digest, expansion, count, grid, inputs)
+        entry = Image(digest, expansion, count, grid, inputs, picture.size,
+                      _seen(got, self.vlm.config.vision_config.patch_size))
         self.memo[digest] = entry
         while len(self.memo) > MEMO_IMAGES:
             self.memo.popitem(last=False)
         return entry
+
+    def image_note(self, digest: str) -> str:
+        """Said when the processor scales the image down to under ``SCALED_NOTE`` of its
+        pixels (a huge photo or screenshot: its fine print may be lost)."""
+        entry = self.image(digest)
+        (w, h), seen = entry.size, entry.seen
+        if not seen or seen >= SCALED_NOTE * w * h:
+            return ""
+        scale = (seen / (w * h)) ** 0.5
+        return (f"image {digest[:12]} {w}×{h}: the model's processor scales it down to about "
+                f"{round(w * scale)}×{round(h * scale)} ({100 * seen / (w * h):.0f}% of its "
+                "pixels); fine detail may be lost")
+
+    def image_spans(self, tokens: list[int], digests: list[str]) -> list[tuple[int, int, str]]:
+        """Each of the images ``digests`` whose placeholder tokens ``tokens`` holds, from its
+        first to its last (SmolVLM's row markers between its tiles inside): ``(start, end,
+        digest)``. An image missing from the data folder is left out."""
+        known = {}
+        for digest in dict.fromkeys(digests):
+            try:
+                count = self.image(digest).count
+            except BadInput:
+                continue
+            for j in range(count):
+                known[image_key(self.salt, digest, j, self.vocab)] = (digest, j, count)
+        spans, start = [], None
+        for i, key in enumerate(tokens):
+            if key in known:
+                digest, j, count = known[key]
+                start = i if j == 0 else start
+                if j == count - 1 and start is not None:
+                    spans.append((start, i + 1, digest))
+                    start = None
+        return spans
 
     def rows(self, entry: Image):
         """The feature rows of ``entry`` (the vision tower runs once per image)."""

@@ -39,14 +39,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import crashlog, paths
+from .. import crashlog
 from ..errors import BadInput, ContextFull, LocalchatError
 from ..events import ReasoningChunk, ReplyChunk, TurnFinished
 from ..model.replies import ToolHold, tool_markers
 from ..model.toolcalls import NAME as TOOLS_CONSTRAINT
 from ..session import stateless
+from ..session.images import keep
 from ..session.session import TurnOptions
-from ..store.images import ImageStore
 from . import anthropic_api, openai_api
 from .chat import MAX_BODY, ApiError, ChatRequest, bad
 from .worker import DONE, Job, QueueFull, Worker
@@ -269,26 +269,15 @@ def _turn(session, req: ChatRequest, cancel, overflow: str = "stop"):
     except (ContextFull, BadInput):
         if made:  # refused before anything was added: leave no trace of the request
             session.delete(conv)
-        for digest in fresh:  # (stored by this request and held by no message)
-            if not session.store.image_users(digest):
-                ImageStore(paths.images_dir()).discard(digest)
+        session.conversations.drop_unheld(fresh)  # (stored by this request, held by none)
         raise
 
 
 def _store_images(session, req: ChatRequest) -> list[str]:
     """On the model thread: the request's images seen by the model (its processor may still
-    refuse one: a 400, nothing stored), then stored once by content hash; the hashes this
-    request stored first."""
-    if not req.images:
-        return []
-    for image in req.images:
-        session.engine.see(image.digest, image.picture)
-    store, fresh = ImageStore(paths.images_dir()), []
-    for image in req.images:
-        if store.find(image.digest) is None and image.digest not in fresh:
-            store.put(image.data, image.info)
-            fresh.append(image.digest)
-    return fresh
+    refuse one: a 400, nothing stored), then stored once by content hash
+    (``session.images.keep``); the hashes this request stored first."""
+    return keep(session, [(i.data, i.picture, i.info) for i in req.images])[1]
 
 
 def _count(session, req: ChatRequest) -> int:

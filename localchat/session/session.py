@@ -51,6 +51,7 @@ from . import window
 from .conversations import Conversations
 from .drafts import Drafts, NoDrafts
 from .generation import Cancel, Run, TurnOptions, generate, usage_of
+from .images import image_notices, refuse_text_model
 from .summary import summarize_cut
 from .turncache import Prior, Start, TurnCache
 
@@ -237,9 +238,8 @@ class Session:
         """
         if prompt is not None and not prompt.strip() and not images:
             raise BadInput("empty prompt")
-        if images and not self.engine.takes_images():
-            raise BadInput(f"{self.engine.info().name} is a text model: it cannot take "
-                           "images (use a vision model: docs/images.md)")
+        if images:
+            refuse_text_model(self.engine)
         new = [] if prompt is None else [{"role": "user", "content": prompt,
                                           **({"images": list(images)} if images else {})}]
         yield from self.follow(conv, new, options, cancel or Cancel(), cut=None)
@@ -341,6 +341,7 @@ class Session:
             self.store.add_message(conv, m["role"], m["content"],
                                    extra={k: v for k, v in m.items()
                                           if k not in ("role", "content")} or None)
+        yield from image_notices(self.engine, new)  # (its processor saw them in the render)
         note = prior.note
         if prior.manifest is None and not options.no_cache and not self.engine.info().unknown:
             # Nothing stored for this conversation: start from another one's prefix if any.
@@ -457,6 +458,7 @@ class Session:
     def _complete(self, messages, pool, options, cancel, t0):
         tokens, max_tokens = self.render_checked(messages, options.max_tokens,
                                                  thinking=options.thinking)
+        yield from image_notices(self.engine, messages[-1:])  # (a batch line's new message)
         k, cache, snaps = pool.take(tokens)
         if k < MIN_SHARED:  # nothing pooled: a stored conversation may share a prefix
             donor = self.sharing.find_donor(self.engine.layout(), tokens)

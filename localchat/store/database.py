@@ -73,6 +73,12 @@ class Message:
         """The message as a chat template takes it."""
         return {"role": self.role, "content": self.content, **(self.extra or {})}
 
+    @property
+    def images(self) -> list[str]:
+        """The content hashes of the images the message holds (``store/images.py``)."""
+        found = (self.extra or {}).get("images")
+        return [d for d in found if isinstance(d, str)] if isinstance(found, list) else []
+
 
 @dataclass(frozen=True)
 class TurnRecord:

@@ -149,6 +149,18 @@ class ImageStore:
         path = self.find(digest)
         if path is None:
             return f"{digest[:12]} (missing from {self.root})", None
+        info = self.header(digest, path=path)
+        if info is None:
+            return f"{digest[:12]} (unreadable: {path})", None
+        return info.chip, path
+
+    def header(self, digest: str, name: str = "", path: Path | None = None
+               ) -> ImageInfo | None:
+        """The stored image ``digest``'s size in pixels and bytes, read from its file's header
+        (``mode`` and ``format`` left empty), named ``name``; None when missing or unreadable."""
+        path = path or self.find(digest)
+        if path is None:
+            return None
         from PIL import Image, UnidentifiedImageError
 
         try:
@@ -156,8 +168,8 @@ class ImageStore:
                 w, h = image.size
             size = path.stat().st_size
         except (OSError, UnidentifiedImageError, ValueError):
-            return f"{digest[:12]} (unreadable: {path})", None
-        return ImageInfo(digest, w, h, "", "", size).chip, path
+            return None
+        return ImageInfo(digest, w, h, "", "", size, name)
 
     def discard(self, digest: str) -> None:
         """Remove the stored file of ``digest`` (one no message holds any more)."""

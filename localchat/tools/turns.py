@@ -48,8 +48,10 @@ def functions_for(tools: Tools, conv) -> tuple[dict, ...]:
 
 
 def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: Tools,
-                    approve: Approve, *, max_rounds: int = MAX_ROUNDS) -> Iterator:
-    """``Session.turn`` with ``conv``'s tools offered and its calls run.
+                    approve: Approve, *, max_rounds: int = MAX_ROUNDS,
+                    images: tuple[str, ...] = ()) -> Iterator:
+    """``Session.turn`` with ``conv``'s tools offered and its calls run (``images``: the
+    stored images the message holds, as ``Session.turn`` takes them).
 
     Yields:
         The session's events, ``ToolCallStarted``/``ToolCallFinished`` for each call, a
@@ -60,7 +62,7 @@ def turn_with_tools(session, conv, prompt: str | None, options, cancel, tools: T
     # (a character is rarely more than a token), so one result leaves room for the rest.
     limit = min(MAX_RESULT_CHARS, session.engine.info().context_length // 2)
     options = dataclasses.replace(options, tools=functions)
-    events = session.turn(conv, prompt, _round(options, 0), cancel)
+    events = session.turn(conv, prompt, _round(options, 0), cancel, images=images)
     for round_no in range(max_rounds):
         finished = None
         for ev in events:

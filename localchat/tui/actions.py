@@ -234,7 +234,7 @@ class Actions:
         except LocalchatError as err:
             self.call_from_thread(self.notify, str(err), severity="error")
             return
-        self.call_from_thread(self.push_screen, CacheScreen(found))
+        self.call_from_thread(self.push_screen, CacheScreen(found, self.attachments.names))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

@@ -18,8 +18,6 @@ one line naming it (``run.py``); exit status 1.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,9 +37,12 @@ from ..model.resolve import DEFAULT_MODEL
 from ..session.session import Cancel, Session, open_session
 from ..store.database import Conversation, Store
 from .actions import Actions
+from .attach import command_of
+from .attachments import HINT, Attachments
 from .chatview import ChatView, summary_of
 from .composer import Composer
 from .drafting import DraftTimer
+from .imagechips import ImageChips, chips_of
 from .messages import (
     DraftAdvanced,
     ModelFailed,
@@ -53,6 +54,7 @@ from .messages import (
     TurnFailed,
     TurnFinishedMsg,
     TurnNoticed,
+    while_open,
 )
 from .mlxthread import MLXThread
 from .sidebar import Sidebar
@@ -61,23 +63,6 @@ from .tooling import AppTools, ToolCallPosted
 from .turnworker import run_turn
 
 EngineLoader = Callable[[str | None, Callable[[str], None]], Engine]
-def while_open(handler: Callable) -> Callable:
-    """For what arrives from the worker threads and the timers: dropped once Textual has begun
-    to close the app. A quit ends the message loop before the widgets go; a shutdown begun
-    outside the loop (``App.run_test``'s) removes them while messages are still handled, and
-    a handler would look for a widget that is gone (``NoMatches``, found by CI at 483653f)."""
-    if inspect.iscoroutinefunction(handler):
-        @functools.wraps(handler)
-        async def run_async(app: LocalchatApp, *args):
-            if app.is_open:
-                return await handler(app, *args)
-        return run_async
-
-    @functools.wraps(handler)
-    def run(app: LocalchatApp, *args):
-        if app.is_open:
-            return handler(app, *args)
-    return run
 
 
 class LocalchatApp(Actions, App):
@@ -134,6 +119,7 @@ class LocalchatApp(Actions, App):
         self.crashed: BaseException | None = None
         self._seen_changes: int | None = None  # the database's change counter, last polled
         self.tool_box = AppTools(self)  # MCP servers, their calls' approval and blocks
+        self.attachments = Attachments(self)  # images for the next message (/image)
 
     def notify(self, message: str, *, title: str = "", severity="information",
                timeout: float | None = None, markup: bool = False) -> None:
@@ -149,6 +135,7 @@ class LocalchatApp(Actions, App):
             yield Sidebar(search=lambda q: self.store.search(q) if self.store else [])
             with Vertical(id="right"):
                 yield ChatView(id="chat")
+                yield ImageChips(id="attached", hint=HINT)
                 yield Composer(id="composer")
                 yield Label("", id="draft", markup=False)
         yield StatusBar(id="status")
@@ -178,6 +165,7 @@ class LocalchatApp(Actions, App):
                 self.store.unique_name(), self.want_model or DEFAULT_MODEL)
         if self.want_model and conv.model != self.want_model:
             conv = self.store.update(conv, model=self.want_model)
+        self.query_one(ChatView).image_names = self.attachments.names  # (shared: data down)
         self.open_conversation(conv)
         composer = self.query_one(Composer)
         composer.focus()
@@ -333,6 +321,9 @@ class LocalchatApp(Actions, App):
 
     @on(Composer.Submitted)
     def submitted(self, event: Composer.Submitted) -> None:
+        if (command := command_of(event.text)) is not None:  # /image, a dropped path
+            self.attachments.run(command, event.text)
+            return
         if self.busy and self._reply is not None:  # kept in the box, said under it
             self.query_one("#draft", Label).update(
                 "a reply is running: your message stays here; Enter sends it once the reply "
@@ -345,12 +336,16 @@ class LocalchatApp(Actions, App):
             return  # deleted by another process: the text stays in the message box
         text = event.text
         kind = "edit" if self.editing else "send"
+        if kind == "edit" and self.attachments.items:
+            self.notify("an edit replaces the text only: the attached images wait for your "
+                        "next message", severity="warning")
         self.editing = False
         event.composer.clear()
-        self.begin_turn(text, kind)
+        self.begin_turn(text, kind, self.attachments.take() if kind == "send" else [])
 
-    def begin_turn(self, prompt: str | None, kind: str) -> None:
-        """Show the turn and start it on the worker; ``kind``: send, edit or regenerate."""
+    def begin_turn(self, prompt: str | None, kind: str, images: list | None = None) -> None:
+        """Show the turn and start it on the worker; ``kind``: send, edit or regenerate;
+        ``images``: the attached ones a send takes (``attachments.py``)."""
         chat = self.query_one(ChatView)
         if kind != "send":  # the session drops what the edit or regenerate replaces
             stored = self.store.messages(self.current)
@@ -359,7 +354,7 @@ class LocalchatApp(Actions, App):
                 cut = users[-1].seq + (1 if kind == "regenerate" else 0)
                 chat.show([m for m in stored if m.seq < cut])
         if prompt is not None:
-            chat.add_user(prompt)
+            chat.add_user(prompt, chips_of(info for _, _, info in images or ()))
         reply = chat.add_reply()
         self._reply, self._thinking = reply, None
         self._stream = MarkdownWidget.get_stream(reply)
@@ -369,12 +364,13 @@ class LocalchatApp(Actions, App):
         self.query_one(StatusBar).begin_reply()  # not the previous turn's figures
         self.query_one(StatusBar).activity = "starting…"
         self.tool_box.configured()  # (read here: a bad config is a notice on this thread)
-        self.turn_worker(self.current, prompt, kind, self._cancel)
+        self.turn_worker(self.current, prompt, kind, self._cancel, images or [])
 
     @work(thread=True, exclusive=True, group="mlx")
     def turn_worker(self, conv: Conversation, prompt: str | None, kind: str,
-                    cancel: Cancel) -> None:
-        self.mlx.call(run_turn, self, conv, prompt, kind, cancel)  # after a draft's chunk
+                    cancel: Cancel, images: list) -> None:
+        # (after a draft's chunk)
+        self.mlx.call(run_turn, self, conv, prompt, kind, cancel, images)
 
     @while_open
     def on_prefill_advanced(self, msg: PrefillAdvanced) -> None:
@@ -443,6 +439,7 @@ class LocalchatApp(Actions, App):
         if msg.prompt and not (stored and stored[-1].role == "user"
                                and stored[-1].content == msg.prompt):
             self.query_one(Composer).text = msg.prompt
+            self.attachments.give_back(msg.images)
 
     async def _end_stream(self) -> None:
         if self._stream is not None:

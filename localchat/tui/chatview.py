@@ -19,12 +19,14 @@ from textual.widgets import Collapsible, Markdown, Static
 
 from ..fmt import visible
 from ..store.database import Message
+from .imagechips import ImageChips, stored_chips
 from .toolcalls import ToolCallBlock, call_blocks
 
 
 class UserMessage(Static):
-    def __init__(self, text: str):
-        super().__init__(visible(text), markup=False)
+    def __init__(self, text: str, images: bool = False):
+        # (with images: their chips are drawn right above it, ``imagechips.py``)
+        super().__init__(visible(text), markup=False, classes="with-images" if images else "")
 
 
 class AssistantMessage(Markdown):
@@ -128,6 +130,7 @@ class ChatView(VerticalScroll):
     _lo = 0
     _window: tuple = (0, None)  # (window_from, summary) of ``show``
     _earlier: EarlierMessages | None = None
+    image_names: dict = {}  # content hash -> file name, for the images attached in this run
 
     def show(self, messages: list[Message], keep: bool = False, window_from: int = 0,
              summary: str | None = None) -> None:
@@ -136,7 +139,8 @@ class ChatView(VerticalScroll):
         ``window_from``: the first message the model still sees (the conversation's window,
         ``session/window.py``); a marker stands before it, with ``summary`` (what stands for the
         messages before it) if any."""
-        drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m)) for m in messages)
+        drawn = tuple((m.seq, m.role, m.content, m.partial, thought(m), tuple(m.images))
+                      for m in messages)
         drawn += (window_from, summary)
         if keep and drawn == self.shown:
             return
@@ -191,7 +195,10 @@ class ChatView(VerticalScroll):
             if i == window_from and 0 < i < len(messages):
                 out.append(WindowMarker(window_from, summary))
             if m.role == "user":
-                widget = UserMessage(m.content)
+                if m.images:
+                    out.append(ImageChips(stored_chips(m.images, self.image_names),
+                                          classes="message-images"))
+                widget = UserMessage(m.content, images=bool(m.images))
             elif m.role == "assistant":
                 if thought(m):
                     extra = m.extra or {}
@@ -236,9 +243,12 @@ class ChatView(VerticalScroll):
         self.call_after_refresh(self.scroll_to_widget, widget, animate=False, top=True)
         return True
 
-    def add_user(self, text: str) -> None:
+    def add_user(self, text: str, chips: list[str] | None = None) -> None:
+        """The message being sent, its images' ``chips`` above it."""
         self.shown = ()  # no longer what ``show`` drew
-        self.mount(UserMessage(text))
+        if chips:
+            self.mount(ImageChips(chips, classes="message-images"))
+        self.mount(UserMessage(text, images=bool(chips)))
 
     def add_reply(self) -> AssistantMessage:
         reply = AssistantMessage("")

@@ -6,6 +6,9 @@ thread. High-rate ones (prefill progress) may replace each other in the queue.
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textual.message import Message
@@ -88,3 +91,23 @@ class TurnFinishedMsg(Message):
 class TurnFailed(Message):
     text: str
     prompt: str | None  # given back to the composer so nothing typed is lost
+    images: tuple = ()  # the images attached to it, given back with it (``attachments.py``)
+
+
+def while_open(handler: Callable) -> Callable:
+    """For what arrives from the worker threads and the timers: dropped once Textual has begun
+    to close the app. A quit ends the message loop before the widgets go; a shutdown begun
+    outside the loop (``App.run_test``'s) removes them while messages are still handled, and
+    a handler would look for a widget that is gone (``NoMatches``, found by CI at 483653f)."""
+    if inspect.iscoroutinefunction(handler):
+        @functools.wraps(handler)
+        async def run_async(app, *args):
+            if app.is_open:
+                return await handler(app, *args)
+        return run_async
+
+    @functools.wraps(handler)
+    def run(app, *args):
+        if app.is_open:
+            return handler(app, *args)
+    return run

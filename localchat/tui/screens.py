@@ -80,6 +80,8 @@ HELP = """\
 | **Ctrl+T** | system prompt of the conversation |
 | **Ctrl+O** | pick the model |
 | **Ctrl+P** | command palette |
+| **/image PATH** | attach an image to the next message (or drop its file) |
+| **/image clear** | remove the attached images |
 | **F3** | the cache view: what the cache holds, what each turn saved |
 | **F1** | this help |
 | **Ctrl+Q** | quit |

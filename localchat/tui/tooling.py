@@ -56,12 +56,13 @@ class AppTools:
 
     # -- on the MLX thread --------------------------------------------------------------------
 
-    def events(self, session, conv, prompt, options, cancel):
-        """The turn's events: with the conversation's tools when the model can call them."""
+    def events(self, session, conv, prompt, options, cancel, images: tuple[str, ...] = ()):
+        """The turn's events: with the conversation's tools when the model can call them
+        (``images``: the stored images the message holds)."""
         markers = tool_markers(session.engine)
         specs = [s for s in self.specs or [] if not s.disabled]
         if not specs or markers is None:
-            return session.turn(conv, prompt, options, cancel)
+            return session.turn(conv, prompt, options, cancel, images=images)
         if self.tools is None:
             self.tools = Tools(specs)
             for state in self.tools.start():
@@ -71,7 +72,7 @@ class AppTools:
                                               severity="warning", timeout=15)
         return without_call_markup(turn_with_tools(
             session, conv, prompt, options, cancel, self.tools,
-            self._approver(session, conv, cancel)), markers[0])
+            self._approver(session, conv, cancel), images=images), markers[0])
 
     def _approver(self, session, conv, cancel):
         def approve(name: str, arguments: dict) -> str:

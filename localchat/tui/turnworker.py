@@ -20,6 +20,7 @@ from ..events import (
     TurnFinished,
 )
 from ..model.engine import now
+from ..session.images import keep
 from ..session.session import Cancel, TurnOptions
 from ..store.database import Conversation
 from .messages import (
@@ -33,7 +34,8 @@ from .messages import (
 from .tooling import ToolCallPosted
 
 
-def run_turn(app, conv: Conversation, prompt: str | None, kind: str, cancel: Cancel) -> None:
+def run_turn(app, conv: Conversation, prompt: str | None, kind: str, cancel: Cancel,
+             images: list | None = None) -> None:
     """Run ``app``'s turn (``kind``: send, edit or regenerate) and post its events to it.
 
     Args:
@@ -42,17 +44,22 @@ def run_turn(app, conv: Conversation, prompt: str | None, kind: str, cancel: Can
         prompt: the message sent (None for a regenerate).
         kind: "send", "edit" or "regenerate".
         cancel: set by Esc or quitting; the session stops at the next token.
+        images: a send's attached images, ``(bytes, decoded image, ImageInfo)`` each: seen
+            by the model and stored (``session.images.keep``) before the turn; a refused
+            turn leaves none of them stored that no message holds.
     """
     session = app.session
     options = TurnOptions(**session.engine.sampling().turn_fields(
         max_tokens=app.max_tokens, temp=app.temp), speculate=app.speculate)
+    fresh: list[str] = []
     try:
         if kind == "regenerate":
             events = session.regenerate(conv, options, cancel)
         elif kind == "edit":
             events = session.edit_last(conv, prompt, options, cancel)
         else:
-            events = app.tool_box.events(session, conv, prompt, options, cancel)
+            digests, fresh = keep(session, images or [])
+            events = app.tool_box.events(session, conv, prompt, options, cancel, digests)
         last = None  # a round that ended in tool calls is not the turn's end...
         for ev in events:
             if isinstance(ev, ReplyChunk):
@@ -74,6 +81,8 @@ def run_turn(app, conv: Conversation, prompt: str | None, kind: str, cancel: Can
             app.post_message(TurnFinishedMsg(last.usage, last.reply, last.stopped,
                                              last.thinking_s))
     except LocalchatError as err:
-        app.post_message(TurnFailed(str(err), prompt))
+        session.conversations.drop_unheld(fresh)
+        app.post_message(TurnFailed(str(err), prompt, tuple(images or ())))
     except Exception as err:  # noqa: BLE001 - a bug must not close the app and lose the draft
-        app.post_message(TurnFailed(f"{type(err).__name__}: {err}", prompt))
+        app.post_message(TurnFailed(f"{type(err).__name__}: {err}", prompt,
+                                    tuple(images or ())))

@@ -1,7 +1,8 @@
 """A batch line's ``"images"`` on a tiny random Qwen2-VL: prompt, messages and conversation
 lines take image files (stored once by content), replying as ``ask --image`` does, one at a
 time or with ``--parallel``; a bad image, a bad ``images`` value or an image for a text model
-is that line's own error record, the run goes on, and nothing of it is stored."""
+is that line's own error record, the run goes on, and nothing of it is stored; a huge image
+is said once (by ask too), and `inspect -c` shows it as one span."""
 
 from __future__ import annotations
 
@@ -97,3 +98,33 @@ def test_an_image_for_a_text_model_is_that_lines_error(home, tiny_model, tmp_pat
     assert code == 1 and "1 of 2 lines failed" in err
     assert "text model" in out[0]["error"] and "reply" in out[1]
     assert stored(home) == []
+
+
+def test_a_huge_image_is_said_once_by_ask_and_batch(home, qwen, tmp_path, capsys):
+    """The model sees under half of a 400×300 image's pixels (the tiny Qwen's budget is 16
+    28-pixel units): one stderr line for the message that brings it, from ``ask`` and from
+    each batch line (prompt and messages lines); a 90×60 image, rounded to its patches, is the
+    control: nothing said."""
+    big, small = png(tmp_path / "big.png", 400, 300), png(tmp_path / "small.png")
+    code = main(["ask", "-m", str(qwen), "--max-tokens", "4", "-c", "big", "--image", str(big),
+                 "Read it"])
+    err = capsys.readouterr().err
+    assert code == 0
+    [said] = [line for line in err.splitlines() if "scales it down" in line]
+    assert said.startswith("localchat: image ") and " 400×300: " in said and "% of its" in said
+    assert main(["ask", "-m", str(qwen), "--max-tokens", "4", "-c", "big", "And?"]) == 0
+    assert "scales it down" not in capsys.readouterr().err  # (said once, with its message)
+    # ``inspect -c`` lists the image as one span of the cached tokens (as the cache view).
+    assert main(["inspect", "-m", str(qwen), "-c", "big"]) == 0
+    [images] = [line for line in capsys.readouterr().out.splitlines()
+                if line.startswith("images ")]
+    assert " 400×300: 12 tokens] at " in images and images.count("[image ") == 1
+    rows = [{"id": "p", "prompt": "Read it", "images": [str(big)]},
+            {"id": "m", "messages": [{"role": "user", "content": "Read it"}], "images": [str(big)]},
+            {"id": "s", "prompt": "Read it", "images": [str(small)]}]
+    code = main(["batch", "-m", str(qwen), "--max-tokens", "4",
+                 str(write_jsonl(tmp_path / "in.jsonl", rows))])
+    err = capsys.readouterr().err
+    assert code == 0
+    said = [line for line in err.splitlines() if "scales it down" in line]
+    assert [line.split(":")[1] for line in said] == [" line 1", " line 2"], err
