@@ -94,12 +94,16 @@ class Change:
     rate_before: float  # tokens/s over the last steps at ``before``
     rate_after: float  # over the trial at ``after``
     others: float  # cores other processes used meanwhile (-1: not known)
+    follows: str = ""  # the kind whose move this one followed (no trial of its own)
 
     def describe(self) -> str:
-        """E.g. 'decode 2 → 1 threads: 5.8 tok/s vs 1.0 (other processes used 1.4 cores)'."""
+        """E.g. 'decode 2 → 1 threads: 5.8 tok/s vs 1.0 (other processes used 1.4 cores)';
+        a followed move: 'prefill 2 → 1 threads: with decode (…)'."""
         why = ""
         if self.others >= 0:
             why = f" (other processes used {self.others:.1f} cores)"
+        if self.follows:
+            return f"{self.kind} {self.before} → {self.after} threads: with {self.follows}{why}"
         was = f" vs {self.rate_before:.1f}" if self.rate_before else \
             f" (from its first step: none at {self.before} yet)"
         return f"{self.kind} {self.before} → {self.after} threads: {self.rate_after:.1f}" \
@@ -236,11 +240,28 @@ class Controller:
             change = Change(kind, state.choice, trial, had, tried, state.others)
             self.changes.append(change)
             state.choice, state.fails, state.share = trial, 0, -1.0
-            other = self.kinds[KINDS[1 - KINDS.index(kind)]]
-            if other.choice != trial:
+            if kind == "decode":
+                self._follow("prefill", change)
+            elif (other := self.kinds["decode"]).choice != trial:
                 other.hint = trial  # the machine changed for it too: it tries soon
         else:
             state.fails += 1
+
+    def _follow(self, kind: str, change: Change) -> None:
+        """``kind`` (the prefill) takes ``change`` (the decode's move) at once: the machine
+        changed for it too, and a turn's prefill is one or two steps, too few to learn in (a
+        trial would run the next turn's first chunk on the old count: beside a busy process
+        per core, 15-21 tok/s on two threads where one gives 110). Its own trials move it
+        back where its steps say otherwise."""
+        state = self.kinds[kind]
+        if state.choice == change.after:
+            state.trial = None
+            return
+        self.changes.append(Change(kind, state.choice, change.after, 0.0, 0.0, change.others,
+                                   follows=change.kind))
+        state.samples.pop(change.after, None)  # (measured afresh: the machine changed)
+        state.choice, state.trial, state.hint = change.after, None, None
+        state.fails, state.since, state.share = 0, 0, -1.0
 
     def _neighbours(self, count: int) -> tuple[int | None, int | None]:
         i = self.counts.index(count)
@@ -253,7 +274,8 @@ class Controller:
         return {k: s.choice for k, s in self.kinds.items()}
 
     def last(self) -> Change | None:
-        return self.changes[-1] if self.changes else None
+        """The last move a kind's own steps made (not one it followed)."""
+        return next((c for c in reversed(self.changes) if not c.follows), None)
 
 
 class MachineClock:

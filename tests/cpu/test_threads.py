@@ -58,8 +58,13 @@ def test_drops_to_one_thread_under_a_competitor_and_comes_back_when_it_leaves():
     assert ran[330:900].count(1) >= 0.97 * 570
     # It leaves at 900: two threads again within 30 steps.
     assert ran[930:].count(2) >= 0.97 * 570
-    moves = [(c.before, c.after) for c in ctl.changes]
-    assert moves == [(2, 1), (1, 2)]
+    moves = [(c.kind, c.before, c.after, c.follows) for c in ctl.changes]
+    # The prefill follows each decode move at once (it ran no step here to learn from).
+    assert moves == [("decode", 2, 1, ""), ("prefill", 2, 1, "decode"),
+                     ("decode", 1, 2, ""), ("prefill", 1, 2, "decode")]
+    assert ctl.changes[1].describe() == ("prefill 2 → 1 threads: with decode (other "
+                                         f"processes used {ctl.changes[0].others:.1f} cores)")
+    assert ctl.last() is ctl.changes[2]  # (what describe() names: decode's own move)
     assert ctl.changes[0].rate_after > 1.5 * ctl.changes[0].rate_before
     assert ctl.changes[0].describe().startswith("decode 2 → 1 threads: 5.")
     assert " tok/s vs 3.2 " in ctl.changes[0].describe()
@@ -86,6 +91,33 @@ def test_decode_and_prefill_choose_apart():
     assert ctl.choices() == {"decode": 1, "prefill": 2}
     # The prefill kind tried 1 (the decode kind's move hinted it) and measured it slower.
     assert ctl.kinds["prefill"].fails >= 1
+
+
+def test_the_next_turns_prefill_runs_on_the_count_decode_moved_to():
+    """A turn's prefill is a step or two: too few to run a trial in. Once decode has dropped
+    a thread beside a competitor, every later turn's prefill runs on one thread from its first
+    step (measured here: 110 tok/s on one, 15-21 on two). The prefill had tried one thread
+    while the machine was quiet and kept two, so the machine's word waits (``dwell``)."""
+    rates = {**RATES, ("prefill", 2, True): 18.0, ("prefill", 1, True): 110.0}
+
+    def turns(ctl: Controller) -> list[int]:
+        firsts = []
+        for turn in range(80):  # quiet for 70 turns (a periodic prefill trial), then loaded
+            loaded = (lambda i: True) if turn >= 70 else (lambda i: False)
+            firsts += drive(ctl, loaded, 1, kind="prefill", rates=rates, seed=turn)
+            drive(ctl, loaded, 40, rates=rates, seed=100 + turn)
+        return firsts
+
+    ctl = Controller(FakeLib())
+    firsts = turns(ctl)
+    assert firsts[:70].count(2) >= 68  # quiet: two threads (a trial of one, kept two)
+    assert firsts[71:] == [1] * 9  # decode moved during the first loaded turn
+    # Negative control: a prefill that only tries the decode's count (a trial of its own
+    # steps, as it did) runs the next loaded turn's first step on two threads.
+    class Hinting(Controller):
+        def _follow(self, kind, change):
+            self.kinds[kind].hint = change.after
+    assert turns(Hinting(FakeLib()))[71] == 2
 
 
 def flips(ctl: Controller, steps: int = 3000) -> int:
