@@ -435,10 +435,12 @@ class Engine:
         step for token n+1 is queued before token n is yielded (MLX async eval), so the model
         works while the caller prints; where model calls compute as they are made
         (``eager``), token n is yielded first and fed after (when the caller stops there,
-        as it closes this generator). ``stepped``: each model step is yielded as a ``Step``
-        for a scheduler to run together with other turns' (``session/scheduler.py``) instead
-        of being run here. ``grammar``: the turn's constraint (``constraint.Matcher``), which
-        masks each step; ``gate``: where a reasoning model's thinking frees it (``Sampler``).
+        as it closes this generator) — also ``stepped``: each model step is yielded as a
+        ``Step`` for a scheduler to run together with other turns' (``session/scheduler.py``)
+        instead of being run here, and the token goes out before its step (the scheduler runs
+        a step before it reads on). ``grammar``: the turn's constraint
+        (``constraint.Matcher``), which masks each step; ``gate``: where a reasoning model's
+        thinking frees it (``Sampler``).
         """
         import mlx.core as mx
 
@@ -448,7 +450,7 @@ class Engine:
                                repetition_penalty=repetition_penalty, seed=seed,
                                grammar=grammar, **gate)
         eos = self.eos_ids
-        eager = self.eager and not stepped
+        eager = self.eager
         y = sampler.draw(logits)
         mx.async_eval(y)
         for n in range(max_tokens):

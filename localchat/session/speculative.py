@@ -258,7 +258,7 @@ def _lookup_decode(engine, cache, logits, max_tokens, options, context, stats,
     sampler.note(y)  # (a constrained turn's grammar advances with every kept token)
     # Where model calls compute as they are made (``Engine.eager``), a verify pass would hold
     # back the token before it: that token goes out first.
-    eager = engine.eager and not stepped
+    eager = engine.eager
     n = 0  # tokens yielded
     while True:
         if y in eos:
