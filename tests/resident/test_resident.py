@@ -456,6 +456,7 @@ def test_strangers_on_the_socket_get_one_error_line_and_it_goes_on(cli, tiny_mod
 
 def test_ask_through_the_resident_imports_no_mlx_numpy_or_tokenizer(cli, tiny_model):
     cli.ask("-m", str(tiny_model), "-c", "m", "hi", "--max-tokens", "3")
+    cli.resident()  # (ready: an ask while it still starts runs in its own process)
     probe = ("import sys, runpy; sys.argv = ['localchat'] + sys.argv[1:]\n"
              "from localchat.cli.main import main\n"
              "code = main(sys.argv[1:])\n"
