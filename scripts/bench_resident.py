@@ -1,7 +1,8 @@
 """The resident model process (issue 48): ``localchat ask`` from process start to exit when a
 resident answers, side by side with the same ask run in its own process, in one run.
 
-On the default model (or -m MODEL), each conversation a ~1k-token history, 4 tokens a turn:
+On the default model (or -m MODEL), each conversation a ~1k-token history, 4 tokens a turn
+(``--tokens N``; 1: the turn is its time to first token):
 - in-process: ``ask`` with ``--keep-alive 0`` (what every ask was before: it loads the model);
 - first ask: no resident yet (``localchat stop`` before each trial), so this ask runs its
   turn itself and starts one as it ends (the bench waits until it has loaded); compared with an
@@ -15,7 +16,7 @@ On the default model (or -m MODEL), each conversation a ~1k-token history, 4 tok
   ask's exit to the resident's exit, past its keep-alive.
 Medians of several trials, in a scratch data folder; every resident is stopped at the end.
 
-Usage: python scripts/bench_resident.py [--quick | --smoke] [-m MODEL] [--history N]
+Usage: python scripts/bench_resident.py [--quick | --smoke] [-m MODEL] [--history N] [--tokens N]
 ``--quick``: 3 trials. ``--smoke``: one trial, a 128-token history, two at once, on a tiny
 model (``tests/test_scripts.py`` runs it); its figures mean nothing.
 Prints a table, then one JSON line.
@@ -89,6 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     benchlib.add_flags(ap, "3 trials")
     ap.add_argument("--history", type=int, default=None, help="tokens (default 1024)")
+    ap.add_argument("--tokens", type=int, default=4, help="a reply's tokens (default 4)")
     args = ap.parse_args()
     trials = benchlib.pick(args, 5, 3, 1)
     history = args.history or benchlib.pick(args, 1024, 1024, 128)
@@ -116,7 +118,7 @@ def main() -> None:
         for m in messages:
             store.add_message(conv, m["role"], m["content"])
     store.close()
-    exe = benchlib.localchat("ask", "-m", model, "--max-tokens", "4")
+    exe = benchlib.localchat("ask", "-m", model, "--max-tokens", str(args.tokens))
     here = [*exe, "--keep-alive", "0"]
     there = [*exe, "--keep-alive", KEEP]
     stop = benchlib.localchat("stop")
@@ -166,7 +168,7 @@ def main() -> None:
     ended = {k: med([x[1] for x in v]) for k, v in runs.items()}
     base = ended["in-process"]
     alone = benchlib.median([x[1] for x in again["in-process"]])
-    print(f"# resident model · {model} · ~{history}-token history · 4 tokens · "
+    print(f"# resident model · {model} · ~{history}-token history · {args.tokens} tokens · "
           f"{benchlib.machine()} · median of {trials} · trials alternating")
     benchlib.print_table(
         ["ask resumed", "process start to first token s", "to exit s", "exit vs in-process"],
@@ -185,6 +187,7 @@ def main() -> None:
     benchlib.print_json({
         "bench": "resident", "mode": benchlib.mode(args), "model": model,
         "machine": benchlib.machine(), "history_tokens": history, "trials": trials,
+        "reply_tokens": args.tokens,
         "first_token_s": first, "exit_s": ended,
         "resident_vs_in_process": benchlib.ratio(ended["resident"], base),
         "first_ask_minus_in_process_s": ended["first ask"] - alone,
