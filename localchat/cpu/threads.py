@@ -14,7 +14,7 @@ one). What this does instead:
   when that count was faster by a clear margin over several steps; a trial that is clearly
   slower ends after one step; after a move it stays a while; trials that keep the count come
   ever less often (hysteresis: it does not flap on noise).
-- ``Meter`` times the steps (``time.perf_counter``, ``time.process_time``, ``/proc/stat``) and
+- ``Meter`` times the steps (``clock.MachineClock``: wall, CPU and ``/proc/stat``) and
   sets the count before each one through ``openblas_set_num_threads`` of the loaded library
   (``OpenBlas``); ``session/generation.py`` and ``session/scheduler.py`` call it.
 - ``install(path)`` (``backend.prepare``, after loading the library) reads the settings:
@@ -27,11 +27,12 @@ Not here: which library is loaded (``backend.py``). Metal and CUDA runs never ge
 from __future__ import annotations
 
 import os
-import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from .clock import MachineClock
 
 ENV = "LOCALCHAT_BLAS_THREADS"
 KINDS = ("decode", "prefill")
@@ -276,46 +277,6 @@ class Controller:
     def last(self) -> Change | None:
         """The last move a kind's own steps made (not one it followed)."""
         return next((c for c in reversed(self.changes) if not c.follows), None)
-
-
-class MachineClock:
-    """The clocks a step is timed with: wall, this process's CPU, and the machine's busy CPU
-    (``/proc/stat``: all but idle and iowait, in seconds over every core; None where there
-    is none, or where it counts more cores than this process may run on — a container's view
-    of a larger host says nothing about our cores)."""
-
-    def __init__(self) -> None:
-        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-            else (os.cpu_count() or 1)
-        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        self._stat = self.busy() is not None and self._host_cores() == self.cores
-
-    def wall(self) -> float:
-        return time.perf_counter()
-
-    def cpu(self) -> float:
-        return time.process_time()
-
-    def busy(self) -> float | None:
-        try:
-            with open("/proc/stat", encoding="ascii") as f:
-                fields = [int(x) for x in f.readline().split()[1:]]
-        except (OSError, ValueError):  # not Linux, or a /proc we cannot read: no signal
-            return None
-        if len(fields) < 5:
-            return None
-        return (sum(fields) - fields[3] - fields[4]) / self._hz
-
-    def machine_busy(self) -> float | None:
-        return self.busy() if self._stat else None
-
-    @staticmethod
-    def _host_cores() -> int:
-        try:
-            with open("/proc/stat", encoding="ascii") as f:
-                return sum(1 for line in f if line.startswith("cpu") and line[3].isdigit())
-        except OSError:
-            return 0
 
 
 class Meter:
